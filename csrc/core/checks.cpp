@@ -1,0 +1,82 @@
+#include "core/checks.h"
+
+#include <c10/util/Exception.h>
+
+namespace marlin {
+namespace {
+
+void check_group_tensor(const at::Tensor& t, const char* name, const at::Tensor& packed,
+                        int64_t groups, int64_t n) {
+  TORCH_CHECK(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == groups && t.size(1) == n, name,
+              " must have shape [K/group_size, N] = [", groups, ", ", n, "], got ", t.sizes());
+  TORCH_CHECK(t.device() == packed.device(), name, " must be on the same device as packed (",
+              packed.device(), "), got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+WeightFormat parse_weight_format(const std::string& weight_format) {
+  if (weight_format == "fp4") return WeightFormat::kFp4;
+  if (weight_format == "uint4") return WeightFormat::kUint4;
+  if (weight_format == "int4") return WeightFormat::kInt4;
+  TORCH_CHECK_VALUE(false, "weight_format must be one of ('fp4', 'uint4', 'int4'), got '",
+                    weight_format, "'");
+}
+
+QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,
+                               const c10::optional<at::Tensor>& zeros,
+                               const std::string& weight_format, int64_t group_size) {
+  QuantizedShape s{};
+  s.format = parse_weight_format(weight_format);
+  TORCH_CHECK_VALUE(group_size == -1 || group_size == 16 || group_size == 32 || group_size == 64 ||
+                        group_size == 128 || group_size == 256,
+                    "group_size must be one of (16, 32, 64, 128, 256, -1), got ", group_size);
+  TORCH_CHECK(packed.scalar_type() == at::kInt, "packed must be int32, got ", packed.scalar_type());
+  TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [K/8, N], got shape ", packed.sizes());
+  TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
+  s.k = packed.size(0) * kPackFactor;
+  s.n = packed.size(1);
+  TORCH_CHECK(s.k > 0 && s.n > 0, "packed must not be empty, got shape ", packed.sizes());
+  if (group_size == -1) {
+    s.groups = 1;
+    s.group_rows = s.k;
+  } else {
+    TORCH_CHECK_VALUE(s.k % group_size == 0, "K = 8 * packed.size(0) = ", s.k,
+                      " must be a multiple of group_size = ", group_size);
+    s.groups = s.k / group_size;
+    s.group_rows = group_size;
+  }
+  check_group_tensor(scales, "scales", packed, s.groups, s.n);
+  if (s.format == WeightFormat::kUint4) {
+    TORCH_CHECK_VALUE(zeros.has_value(), "zeros is required for weight_format='uint4'");
+    check_group_tensor(*zeros, "zeros", packed, s.groups, s.n);
+  } else {
+    TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='", weight_format,
+                      "'");
+  }
+  return s;
+}
+
+void check_gemm_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                       const at::Tensor& packed, const QuantizedShape& shape) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat,
+              "x must be float16, bfloat16 or float32, got ", dtype);
+  TORCH_CHECK(x.dim() >= 1, "x must have shape [..., K], got a 0-d tensor");
+  TORCH_CHECK(x.size(-1) == shape.k, "x.size(-1) must equal K = 8 * packed.size(0) = ", shape.k,
+              ", got x of shape ", x.sizes());
+  TORCH_CHECK(x.device() == packed.device(), "x must be on the same device as packed (",
+              packed.device(), "), got ", x.device());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == shape.n, "bias must have shape [N] = [",
+                shape.n, "], got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == dtype, "bias must have x's dtype ", dtype, ", got ",
+                bias->scalar_type());
+    TORCH_CHECK(bias->device() == packed.device(), "bias must be on the same device as packed (",
+                packed.device(), "), got ", bias->device());
+  }
+}
+
+}  // namespace marlin

@@ -1,0 +1,3 @@
+// The kernels for any CPU the compiler targets by default.
+#define MARLIN_KERNEL_NS generic
+#include "cpu/kernels_impl.h"

@@ -1,0 +1,79 @@
+"""quantize_model: swap a model's nn.Linear layers for MarlinLinear in place."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Union
+
+from torch import nn
+
+from .linear import MarlinLinear
+
+Patterns = Union[str, Iterable[str], None]
+
+
+@dataclass
+class QuantizationReport:
+    replaced: List[str] = field(default_factory=list)  # qualified names now MarlinLinear
+    skipped: List[str] = field(default_factory=list)  # nn.Linear left in float (excluded)
+    bytes_before: int = 0  # float weight + bias bytes of the replaced layers
+    bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
+    relative_errors: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.bytes_before - self.bytes_after
+
+    def __str__(self) -> str:
+        mib = 1 / 2 ** 20
+        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
+                f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
+
+
+def _patterns(value: Patterns, name: str) -> Optional[List[str]]:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    patterns = list(value)
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"{name} must be a glob pattern or a list of them, got {value!r}")
+    return patterns
+
+
+def _nbytes(module: nn.Module) -> int:
+    tensors = list(module.parameters(recurse=False)) + [b for b in module.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
+                   include: Patterns = None, exclude: Patterns = None,
+                   method: str = "mse") -> QuantizationReport:
+    """Replace every nn.Linear whose qualified name matches `include` (glob
+    patterns; default all) and none of `exclude` with a MarlinLinear.
+    Returns a QuantizationReport (what was replaced, memory before/after)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
+    report = QuantizationReport()
+    targets = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear:  # subclasses may carry behaviour we would drop
+            continue
+        selected = include_p is None or any(fnmatch.fnmatchcase(name, p) for p in include_p)
+        if not selected or any(fnmatch.fnmatchcase(name, p) for p in exclude_p):
+            report.skipped.append(name)
+        else:
+            targets.append(name)
+    for name in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, child)
+        quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
+        report.bytes_before += _nbytes(linear)
+        report.bytes_after += _nbytes(quantized)
+        report.relative_errors[name] = quantized.quantization_error
+        setattr(parent, child, quantized)
+        report.replaced.append(name)
+    return report

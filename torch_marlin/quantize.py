@@ -1,0 +1,221 @@
+"""Quantizers: float nn.Linear weights [N, K] -> packed torch_marlin weights.
+
+Every quantizer here is round-to-nearest with one scale (and for uint4 one
+zero point) per group of K. `method="absmax"` takes the scale from the group's
+range; `method="mse"` (default) searches clipped ranges and refits scale (and
+zero) by least squares on the chosen codes, keeping whatever gives the
+smallest squared reconstruction error with the scales rounded to fp16 as
+stored. Both are deterministic. Calibration-based methods (GPTQ, AWQ) plug in
+through the same `Quantizer` interface and `register_quantizer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from . import formats
+from .formats import E2M1_VALUES, INT4_OFFSET
+
+# Rows of N quantized at once: bounds the search's temporary memory.
+_ROW_CHUNK_ELEMENTS = 1 << 22
+_CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
+_REFIT_ROUNDS = 2
+_FP16_MAX = 65504.0
+_FP16_TINY = 2.0 ** -14  # smallest normal fp16: keeps w / scale finite
+
+
+@dataclass
+class QuantizedWeight:
+    """A packed weight and what is needed to interpret it (docs/FORMAT.md)."""
+
+    packed: torch.Tensor  # int32 [K/8, N], K padded
+    scales: torch.Tensor  # fp16 [G, N]
+    zeros: Optional[torch.Tensor]  # fp16 [G, N] for uint4, else None
+    weight_format: str
+    group_size: int
+    in_features: int  # unpadded K
+    out_features: int  # N
+    relative_error: float = float("nan")  # ||W - Wq|| / ||W|| when quantized from floats
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.packed.shape[0] * formats.PACK_FACTOR
+
+    @classmethod
+    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
+                   in_features=None, out_features=None) -> "QuantizedWeight":
+        """Pack codes [K, N] (0..15) with their scales/zeros [G, N]; validates everything."""
+        packed = formats.pack_codes(codes)
+        k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
+        in_features = k if in_features is None else int(in_features)
+        out_features = n if out_features is None else int(out_features)
+        if not (0 < in_features <= k and k - in_features < formats.padded_in_features(1, group_size)):
+            raise ValueError(f"in_features={in_features} does not fit packed K={k}")
+        if out_features != n:
+            raise ValueError(f"out_features={out_features} must equal N={n}")
+        return cls(packed, scales.contiguous(), None if zeros is None else zeros.contiguous(),
+                   weight_format, group_size, in_features, out_features)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight W as [N, in_features] (reference path, float64 inside)."""
+        b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
+                                         self.weight_format, self.group_size, dtype)
+        return b[: self.in_features].t()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scales] + ([self.zeros] if self.zeros is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+Quantizer = Callable[[torch.Tensor, str, int], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+"""(weight groups [R, G, gs] float32, weight_format, group_size) -> (codes, scales, zeros)."""
+
+_QUANTIZERS: Dict[str, Quantizer] = {}
+
+
+def register_quantizer(name: str, fn: Quantizer) -> None:
+    _QUANTIZERS[name] = fn
+
+
+def quantizer_names() -> Tuple[str, ...]:
+    return tuple(_QUANTIZERS)
+
+
+def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                    method: str = "mse") -> QuantizedWeight:
+    """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs."""
+    formats.check_weight_format(weight_format)
+    formats.check_group_size(group_size)
+    if method not in _QUANTIZERS:
+        raise ValueError(f"method must be one of {quantizer_names()}, got {method!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
+    if weight.numel() == 0:
+        raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight contains NaN or Inf")
+    n, k = weight.shape
+    kp = formats.padded_in_features(k, group_size)
+    gs = formats.effective_group_size(kp, group_size)
+    w = weight.detach().to(device="cpu", dtype=torch.float32)
+    if kp != k:
+        w = torch.nn.functional.pad(w, (0, kp - k))
+    codes = torch.empty(n, kp, dtype=torch.uint8)
+    scales = torch.empty(n, kp // gs, dtype=torch.float16)
+    zeros = torch.empty_like(scales) if weight_format == "uint4" else None
+    err2 = 0.0
+    rows = max(1, _ROW_CHUNK_ELEMENTS // kp)
+    for r0 in range(0, n, rows):
+        chunk = w[r0:r0 + rows].view(-1, kp // gs, gs)
+        c, s, z = _QUANTIZERS[method](chunk, weight_format, gs)
+        codes[r0:r0 + rows] = c.view(-1, kp)
+        scales[r0:r0 + rows] = s
+        if zeros is not None:
+            zeros[r0:r0 + rows] = z
+        err2 += float(((_reconstruct(c, s, z, weight_format) - chunk) ** 2).sum())
+    norm2 = float((w ** 2).sum())
+    q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
+                                   weight_format, group_size, in_features=k, out_features=n)
+    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+    return q
+
+
+# --- per-format rounding -------------------------------------------------------------
+
+_E2M1_MAGNITUDES = E2M1_VALUES[:8]
+_E2M1_MIDPOINTS = (_E2M1_MAGNITUDES[1:] + _E2M1_MAGNITUDES[:-1]) / 2
+
+
+def _round_codes(x: torch.Tensor, weight_format: str) -> torch.Tensor:
+    """Nearest code for x = w / scale (+ zero for uint4); uint8 of the same shape."""
+    if weight_format == "fp4":
+        magnitude = torch.bucketize(x.abs(), _E2M1_MIDPOINTS.to(x.device))
+        return (magnitude | ((x < 0) & (magnitude > 0)).to(magnitude.dtype) << 3).to(torch.uint8)
+    if weight_format == "int4":
+        return (torch.round(x).clamp(-INT4_OFFSET, 15 - INT4_OFFSET) + INT4_OFFSET).to(torch.uint8)
+    return torch.round(x).clamp(0, 15).to(torch.uint8)
+
+
+def _reconstruct(codes, scales, zeros, weight_format):
+    values = formats.code_values(codes, weight_format)
+    if zeros is not None:
+        values = values - zeros.float().unsqueeze(-1)
+    return values * scales.float().unsqueeze(-1)
+
+
+def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
+    return s.clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)
+
+
+def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
+    qmax = 6.0 if weight_format == "fp4" else 7.0
+    absmax = groups.abs().amax(-1)
+    best = None
+    for ratio in (_CLIP_RATIOS if search else [1.0]):
+        scale = _to_fp16_scale(absmax * ratio / qmax)
+        for _ in range(_REFIT_ROUNDS if search else 1):
+            codes = _round_codes(groups / scale.float().unsqueeze(-1), weight_format)
+            best = _keep_better(best, groups, codes, scale, None, weight_format)
+            if not search:
+                break
+            # Least-squares scale for these codes: argmin_s ||v*s - w||.
+            v = formats.code_values(codes, weight_format)
+            vv = (v * v).sum(-1)
+            refit = (v * groups).sum(-1) / vv.clamp_min(1e-30)
+            scale = _to_fp16_scale(torch.where(vv > 0, refit, scale.float()))
+    return best[1], best[2], None
+
+
+def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
+    # The range always contains 0, so the zero point stays within 0..15.
+    lo = groups.amin(-1).clamp(max=0)
+    hi = groups.amax(-1).clamp(min=0)
+    best = None
+    for ratio in (_CLIP_RATIOS if search else [1.0]):
+        scale = _to_fp16_scale((hi - lo) * ratio / 15.0)
+        zero = (-lo * ratio / scale.float()).to(torch.float16)
+        for _ in range(_REFIT_ROUNDS if search else 1):
+            codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
+            best = _keep_better(best, groups, codes, scale, zero, weight_format)
+            if not search:
+                break
+            # Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
+            q = codes.float()
+            qm, wm = q.mean(-1, keepdim=True), groups.mean(-1, keepdim=True)
+            var = ((q - qm) ** 2).sum(-1)
+            a = ((q - qm) * (groups - wm)).sum(-1) / var.clamp_min(1e-30)
+            ok = (var > 0) & (a > _FP16_TINY)
+            new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
+            b = wm.squeeze(-1) - a * qm.squeeze(-1)
+            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-_FP16_MAX, _FP16_MAX)
+            scale, zero = new_scale, new_zero.to(torch.float16)
+    return best[1], best[2], best[3]
+
+
+def _keep_better(best, groups, codes, scale, zero, weight_format):
+    err = ((_reconstruct(codes, scale, zero, weight_format) - groups) ** 2).sum(-1)
+    if best is None:
+        return [err, codes, scale, zero]
+    better = err < best[0]
+    best[0] = torch.where(better, err, best[0])
+    best[1] = torch.where(better.unsqueeze(-1), codes, best[1])
+    best[2] = torch.where(better, scale, best[2])
+    if zero is not None:
+        best[3] = torch.where(better, zero, best[3])
+    return best
+
+
+def _rtn(search: bool) -> Quantizer:
+    def quantize(groups, weight_format, group_size):
+        if weight_format == "uint4":
+            return _asymmetric(groups, weight_format, search)
+        return _symmetric(groups, weight_format, search)
+    return quantize
+
+
+register_quantizer("mse", _rtn(search=True))
+register_quantizer("absmax", _rtn(search=False))

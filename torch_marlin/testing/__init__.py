@@ -1,0 +1,1 @@
+"""Testing helpers: the MSL CPU emulator (mslsim) and the Metal dispatch runner."""
