@@ -81,10 +81,10 @@ class MarlinLinear(nn.Module):
                                self.group_size, self.in_features, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight W [out_features, in_features] as a dense tensor."""
+        """The weight W [out_features, in_features] as a dense tensor (computed in fp32)."""
         b = torch.ops.marlin.dequantize(self.packed, self.scales, self.zeros, self.weight_format,
-                                        self.group_size, dtype)
-        return b[: self.in_features].t()
+                                        self.group_size, torch.float32)
+        return b[: self.in_features].t().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self.quantized_weight(), self.bias)

@@ -20,6 +20,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _gemm_fake(x, packed, scales, zeros, bias, weight_format, group_size):
     k, n, _ = check_quantized(packed, scales, zeros, weight_format, group_size)
     torch._check(x.dtype in _FLOAT_DTYPES, lambda: f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    torch._check(x.device == packed.device,
+                 lambda: f"x must be on the same device as packed ({packed.device}), got {x.device}")
     torch._check(x.dim() >= 1 and x.shape[-1] == k, lambda: f"x.size(-1) must equal K = {k}, got {list(x.shape)}")
     if bias is not None:
         torch._check(tuple(bias.shape) == (n,), lambda: f"bias must have shape [{n}], got {list(bias.shape)}")

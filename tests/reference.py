@@ -1,0 +1,42 @@
+"""Independent per-element references, written from docs/FORMAT.md without
+using torch_marlin's packers: plain Python loops over single elements."""
+
+import math
+
+E2M1 = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0}
+
+
+def e2m1_value(code: int) -> float:
+    """Decode from the bit fields, not from a table: sign, 2-bit exponent (bias 1), 1-bit mantissa."""
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    magnitude = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return math.copysign(magnitude, sign)
+
+
+def pack_one_by_one(codes):
+    """codes: list of K rows of N ints -> list of K/8 rows of N signed int32 ints."""
+    k, n = len(codes), len(codes[0])
+    words = [[0] * n for _ in range(k // 8)]
+    for row in range(k):
+        for col in range(n):
+            words[row // 8][col] |= codes[row][col] << (4 * (row % 8))
+    return [[w - (1 << 32) if w >= 1 << 31 else w for w in r] for r in words]
+
+
+def dequantize_one_by_one(words, scales, zeros, weight_format, group_size):
+    """Float (Python double) B[k][n] from packed words and per-group scales/zeros."""
+    k, n = len(words) * 8, len(words[0])
+    rows = k if group_size == -1 else group_size
+    out = [[0.0] * n for _ in range(k)]
+    for row in range(k):
+        for col in range(n):
+            code = ((words[row // 8][col] & 0xFFFFFFFF) >> (4 * (row % 8))) & 0xF
+            s = scales[row // rows][col]
+            if weight_format == "fp4":
+                out[row][col] = e2m1_value(code) * s
+            elif weight_format == "int4":
+                out[row][col] = (code - 8) * s
+            else:
+                out[row][col] = (code - zeros[row // rows][col]) * s
+    return out

@@ -1,0 +1,141 @@
+"""torch.ops.marlin.* on CPU against float64 dequantize-then-matmul."""
+
+import pytest
+import torch
+
+import torch_marlin as tm
+from torch_marlin import formats
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+GROUP_SIZES = [16, 32, 64, 128, 256, -1]
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23}
+
+
+def random_weight(k, n, weight_format, group_size):
+    groups = 1 if group_size == -1 else k // group_size
+    codes = torch.randint(0, 16, (k, n))
+    scales = (torch.rand(groups, n) * 0.02 + 0.001).half()
+    zeros = (torch.rand(groups, n) * 15).half() if weight_format == "uint4" else None
+    return tm.pack_codes(codes), scales, zeros
+
+
+def assert_close_to_reference(y, x, b64, bias=None):
+    """Per element: one rounding to y's dtype plus fp32 accumulation error."""
+    ref = x.double() @ b64
+    if bias is not None:
+        ref = ref + bias.double()
+    magnitude = x.double().abs() @ b64.abs() + (0 if bias is None else bias.double().abs())
+    bound = 0.5 * EPS[y.dtype] * ref.abs() + 1e-6 * magnitude + 1e-30
+    err = (y.double() - ref).abs()
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert torch.all(err <= bound), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_gemm_matches_float64_reference(weight_format, group_size, dtype):
+    for m, n, k in [(1, 64, 512), (2, 7, 256), (3, 200, 512), (8, 33, 256), (33, 64, 768), (130, 65, 256)]:
+        if group_size > 0 and k % group_size:
+            continue
+        packed, scales, zeros = random_weight(k, n, weight_format, group_size)
+        b64 = tm.dequantize_reference(packed, scales, zeros, weight_format, group_size, torch.float64)
+        x = torch.randn(m, k).to(dtype)
+        bias = torch.randn(n).to(dtype) if m % 2 else None
+        y = torch.ops.marlin.gemm(x, packed, scales, zeros, bias, weight_format, group_size)
+        assert_close_to_reference(y, x, b64, bias)
+
+
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_gemm_large_k_and_batch_dims(weight_format):
+    k, n = 8192, 48
+    packed, scales, zeros = random_weight(k, n, weight_format, 128)
+    b64 = tm.dequantize_reference(packed, scales, zeros, weight_format, 128, torch.float64)
+    x = torch.randn(2, 3, k)
+    y = torch.ops.marlin.gemm(x, packed, scales, zeros, None, weight_format, 128)
+    assert y.shape == (2, 3, n)
+    assert_close_to_reference(y.view(6, n), x.view(6, k), b64)
+    # a non-contiguous x gives the same answer
+    xt = torch.randn(k, 5).t()
+    assert torch.equal(torch.ops.marlin.gemm(xt, packed, scales, zeros, None, weight_format, 128),
+                       torch.ops.marlin.gemm(xt.contiguous(), packed, scales, zeros, None, weight_format, 128))
+
+
+def test_gemm_empty_batch():
+    packed, scales, _ = random_weight(64, 8, "fp4", 32)
+    y = torch.ops.marlin.gemm(torch.randn(0, 64), packed, scales, None, None, "fp4", 32)
+    assert y.shape == (0, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_dequantize_is_exact(weight_format, group_size, dtype):
+    packed, scales, zeros = random_weight(512, 77, weight_format, group_size)
+    got = torch.ops.marlin.dequantize(packed, scales, zeros, weight_format, group_size, dtype)
+    expected = tm.dequantize_reference(packed, scales, zeros, weight_format, group_size, dtype)
+    assert got.dtype == dtype
+    if weight_format == "uint4":
+        # q - zero is rounded to fp32 when the zero has many fraction bits: one ulp at most.
+        assert torch.all((got.double() - expected.double()).abs() <= EPS[dtype] * expected.double().abs())
+    else:
+        assert torch.equal(got, expected)  # code value x fp16 scale is exact in fp32
+    default = torch.ops.marlin.dequantize(packed, scales, zeros, weight_format, group_size)
+    assert default.dtype == torch.float16
+
+
+def test_every_fp4_code_through_the_op():
+    codes = torch.arange(16).repeat(4).view(64, 1).repeat(1, 3)  # every code at every nibble slot
+    packed, scales = tm.pack_codes(codes), torch.tensor([[1.0, 2.0, 0.25]]).half()
+    got = torch.ops.marlin.dequantize(packed, scales, None, "fp4", -1, torch.float32)
+    expected = tm.E2M1_VALUES[codes] * scales.float()
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.signbit(got), torch.signbit(expected))  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_opcheck(weight_format):
+    packed, scales, zeros = random_weight(128, 24, weight_format, 32)
+    x = torch.randn(3, 128, requires_grad=True)
+    bias = torch.randn(24)
+    torch.library.opcheck(torch.ops.marlin.gemm.default, (x, packed, scales, zeros, bias, weight_format, 32))
+    torch.library.opcheck(torch.ops.marlin.gemm.default, (x.detach().half(), packed, scales, zeros, None, weight_format, 32))
+    torch.library.opcheck(torch.ops.marlin.dequantize.default, (packed, scales, zeros, weight_format, 32),
+                          {"dtype": torch.bfloat16})
+
+
+def _args(**over):
+    packed, scales, zeros = random_weight(64, 8, "uint4", 32)
+    args = dict(x=torch.randn(2, 64), packed=packed, scales=scales, zeros=zeros, bias=None,
+                weight_format="uint4", group_size=32)
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(x=torch.randn(2, 64, dtype=torch.float64)), "x must be float16, bfloat16 or float32"),
+    (dict(x=torch.randn(2, 63)), r"x.size\(-1\) must equal K = 8 \* packed.size\(0\) = 64"),
+    (dict(x=torch.randn(2, 64).half(), bias=torch.randn(8)), "bias must have x's dtype"),
+    (dict(bias=torch.randn(9)), r"bias must have shape \[N\] = \[8\]"),
+    (dict(weight_format="nf4"), "weight_format must be one of"),
+    (dict(group_size=48), "group_size must be one of"),
+    (dict(group_size=128), "must be a multiple of group_size = 128"),
+    (dict(packed=torch.zeros(8, 8, dtype=torch.int64)), "packed must be int32"),
+    (dict(packed=torch.zeros(8, 16, dtype=torch.int32)[:, ::2]), "packed must be contiguous"),
+    (dict(scales=torch.ones(2, 8)), "scales must be float16"),
+    (dict(scales=torch.ones(4, 8).half()), r"scales must have shape \[K/group_size, N\] = \[2, 8\]"),
+    (dict(zeros=None), "zeros is required for weight_format='uint4'"),
+    (dict(zeros=torch.ones(2, 7).half()), r"zeros must have shape"),
+    (dict(weight_format="fp4"), "zeros must be None for weight_format='fp4'"),
+    (dict(x=torch.randn(2, 64, device="meta")), "x must be on the same device as packed"),
+])
+def test_gemm_bad_input(over, message):
+    a = _args(**over)
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=message):
+        torch.ops.marlin.gemm(a["x"], a["packed"], a["scales"], a["zeros"], a["bias"], a["weight_format"], a["group_size"])
+
+
+def test_dequantize_bad_dtype():
+    a = _args()
+    with pytest.raises(RuntimeError, match="dtype must be float16, bfloat16 or float32"):
+        torch.ops.marlin.dequantize(a["packed"], a["scales"], a["zeros"], "uint4", 32, torch.int32)
