@@ -20,10 +20,12 @@ def sources():
 def extension():
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
     if sys.platform == "darwin":
-        cxx += ["-ObjC++", "-fobjc-arc"]
+        cxx += ["-fobjc-arc"]  # .mm files compile as Objective-C++ by their extension
         link = ["-framework", "Metal", "-framework", "Foundation"]
     else:
         link = []
+    # at::parallel_for inlines OpenMP pragmas on Linux torch builds. macOS
+    # wheels are not built or tested here; there it compiles without OpenMP.
     omp = [] if sys.platform == "darwin" else ["-fopenmp"]
     return CppExtension(
         "torch_marlin._C",
