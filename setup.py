@@ -2,12 +2,35 @@
 
 import glob
 import os
+import shutil
+import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+GENERATED = os.path.join(ROOT, "build", "generated")
+
+
+def embed_metal_sources():
+    """macOS: metal/ sources (and a metallib when Xcode's `metal` works) become a
+    header that the bridge compiles in, so the installed extension needs no files."""
+    subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "mps", "embed_metal.py"), GENERATED,
+                    "--metallib"], check=True)
+
+
+class BuildPyWithMetal(build_py):
+    """Ships metal/ inside the wheel as torch_marlin/metal, where
+    torch_marlin.testing.run_metal looks when the repository is not around."""
+
+    def run(self):
+        super().run()
+        dst = os.path.join(self.build_lib, "torch_marlin", "metal")
+        os.makedirs(dst, exist_ok=True)
+        for name in sorted(os.listdir(os.path.join(ROOT, "metal"))):
+            shutil.copy2(os.path.join(ROOT, "metal", name), dst)
 
 
 def sources():
@@ -19,7 +42,10 @@ def sources():
 
 def extension():
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
+    include_dirs = [os.path.join(ROOT, "csrc")]
     if sys.platform == "darwin":
+        embed_metal_sources()
+        include_dirs.append(GENERATED)
         cxx += ["-fobjc-arc"]  # .mm files compile as Objective-C++ by their extension
         link = ["-framework", "Metal", "-framework", "Foundation"]
     else:
@@ -30,7 +56,7 @@ def extension():
     return CppExtension(
         "torch_marlin._C",
         sources(),
-        include_dirs=[os.path.join(ROOT, "csrc")],
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx + omp},
         extra_link_args=link + omp,
     )
@@ -40,8 +66,7 @@ setup(
     packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
     package_data={
         "torch_marlin.testing.mslsim": ["include/*", "include/**/*", "runtime/*", "runtime/**/*"],
-        "torch_marlin": ["metal/*"],
     },
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False)},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False), "build_py": BuildPyWithMetal},
 )

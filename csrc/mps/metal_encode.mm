@@ -1,0 +1,164 @@
+// The only Objective-C++ of torch_marlin: pipeline cache and command encoding
+// of a metal::Plan onto PyTorch's current MPS stream, the way PyTorch's own
+// MPS ops encode (aten/src/ATen/native/mps): getCurrentMPSStream(),
+// dispatch_sync_with_rethrow on its serial queue, its commandEncoder(),
+// buffers bound with the tensors' storage offsets. No commit or wait here:
+// the stream commits when PyTorch synchronizes.
+#include <ATen/mps/MPSStream.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "mps/metal_encode.h"
+// Generated at build time by csrc/mps/embed_metal.py from metal/*.metal:
+// kMarlinMetalSources (headers inlined) and, when the Xcode toolchain was
+// available, the precompiled kMarlinMetallib.
+#if __has_include("torch_marlin_metal_sources.h")
+#include "torch_marlin_metal_sources.h"
+#else
+#error "torch_marlin_metal_sources.h missing: run python3 csrc/mps/embed_metal.py <dir> and add <dir> to the include path (setup.py does on macOS)"
+#endif
+
+namespace marlin {
+namespace mps {
+namespace {
+
+id<MTLBuffer> buffer_of(const at::Tensor& t) {
+  // Same as at::native::mps::getMTLBufferStorage: an MPS storage's data
+  // pointer is its id<MTLBuffer>.
+  return (__bridge id<MTLBuffer>)(t.storage().data());
+}
+
+std::string describe(NSError* error) {
+  return error ? std::string([[error localizedDescription] UTF8String]) : std::string("unknown error");
+}
+
+class PipelineCache {
+ public:
+  static PipelineCache& get() {
+    static PipelineCache cache;
+    return cache;
+  }
+
+  id<MTLComputePipelineState> pipeline(id<MTLDevice> device, const metal::Launch& launch) {
+    std::string key = launch.kernel;
+    for (const auto& c : launch.bool_constants)
+      key += "|" + std::to_string(c.first) + "=" + (c.second ? "1" : "0");
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = pipelines_.find(key);
+    if (it != pipelines_.end()) return it->second;
+
+    id<MTLLibrary> library = library_for(device, launch.source);
+    MTLFunctionConstantValues* constants = [MTLFunctionConstantValues new];
+    for (const auto& c : launch.bool_constants) {
+      bool value = c.second;
+      [constants setConstantValue:&value type:MTLDataTypeBool atIndex:(NSUInteger)c.first];
+    }
+    NSError* error = nil;
+    id<MTLFunction> function =
+        [library newFunctionWithName:[NSString stringWithUTF8String:launch.kernel.c_str()]
+                      constantValues:constants
+                               error:&error];
+    TORCH_CHECK(function, "torch_marlin: Metal function ", launch.kernel, " not found: ", describe(error));
+    id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function error:&error];
+    TORCH_CHECK(state, "torch_marlin: cannot build the pipeline of ", launch.kernel, ": ", describe(error));
+    const int64_t threads = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2];
+    TORCH_CHECK(int64_t([state maxTotalThreadsPerThreadgroup]) >= threads, "torch_marlin: ", launch.kernel,
+                " supports ", [state maxTotalThreadsPerThreadgroup], " threads per threadgroup, the plan needs ",
+                threads);
+    pipelines_.emplace(key, state);
+    return state;
+  }
+
+ private:
+  // One library for everything when a metallib was embedded, else one
+  // compiled from source per metal/<source>.metal at first use.
+  id<MTLLibrary> library_for(id<MTLDevice> device, const std::string& source) {
+    if (kMarlinMetallibSize > 0) {
+      if (!metallib_) {
+        dispatch_data_t data = dispatch_data_create(kMarlinMetallib, kMarlinMetallibSize, nullptr,
+                                                    DISPATCH_DATA_DESTRUCTOR_DEFAULT);
+        NSError* error = nil;
+        metallib_ = [device newLibraryWithData:data error:&error];
+        TORCH_CHECK(metallib_, "torch_marlin: cannot load the embedded metallib: ", describe(error));
+      }
+      return metallib_;
+    }
+    auto it = libraries_.find(source);
+    if (it != libraries_.end()) return it->second;
+    const char* text = nullptr;
+    for (const auto& s : kMarlinMetalSources)
+      if (source == s.name) text = s.text;
+    TORCH_CHECK(text, "torch_marlin: no embedded Metal source '", source, "'");
+    MTLCompileOptions* options = [MTLCompileOptions new];
+    options.languageVersion = MTLLanguageVersion3_1;  // bfloat
+    NSError* error = nil;
+    id<MTLLibrary> library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
+                                                  options:options
+                                                    error:&error];
+    TORCH_CHECK(library, "torch_marlin: compiling metal/", source, ".metal failed: ", describe(error));
+    libraries_.emplace(source, library);
+    return library;
+  }
+
+  std::mutex mutex_;
+  id<MTLLibrary> metallib_ = nil;
+  std::unordered_map<std::string, id<MTLLibrary>> libraries_;
+  std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
+};
+
+const at::Tensor& tensor_for(const PlanTensors& t, metal::Arg arg) {
+  switch (arg) {
+    case metal::Arg::kX: return t.x;
+    case metal::Arg::kPacked: return t.packed;
+    case metal::Arg::kScales: return t.scales;
+    case metal::Arg::kZeros: return t.zeros;
+    case metal::Arg::kBias: return t.bias;
+    case metal::Arg::kOut: return t.out;
+    case metal::Arg::kPartial: return t.partial;
+    case metal::Arg::kScalar: break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "not a tensor argument");
+}
+
+}  // namespace
+
+void encode_plan(const metal::Plan& plan, const PlanTensors& tensors) {
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  id<MTLDevice> device = stream->device();
+  // Pipelines first (may compile), outside the stream's queue.
+  std::vector<id<MTLComputePipelineState>> states;
+  for (const metal::Launch& l : plan.launches) states.push_back(PipelineCache::get().pipeline(device, l));
+
+  const metal::Plan* p = &plan;
+  const PlanTensors* t = &tensors;
+  const std::vector<id<MTLComputePipelineState>>* s = &states;
+  at::mps::dispatch_sync_with_rethrow(stream->queue(), ^() {
+    @autoreleasepool {
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      for (size_t i = 0; i < p->launches.size(); ++i) {
+        const metal::Launch& l = p->launches[i];
+        [encoder setComputePipelineState:(*s)[i]];
+        for (const metal::Binding& b : l.bindings) {
+          if (b.arg == metal::Arg::kScalar) {
+            const uint32_t value = b.value;
+            [encoder setBytes:&value length:sizeof(value) atIndex:(NSUInteger)b.index];
+          } else {
+            const at::Tensor& x = tensor_for(*t, b.arg);
+            [encoder setBuffer:buffer_of(x)
+                        offset:(NSUInteger)(x.storage_offset() * x.element_size())
+                       atIndex:(NSUInteger)b.index];
+          }
+        }
+        if (l.threadgroup_memory > 0)
+          [encoder setThreadgroupMemoryLength:(NSUInteger)l.threadgroup_memory atIndex:0];
+        [encoder dispatchThreadgroups:MTLSizeMake(l.grid[0], l.grid[1], l.grid[2])
+                threadsPerThreadgroup:MTLSizeMake(l.threadgroup[0], l.threadgroup[1], l.threadgroup[2])];
+      }
+    }
+  });
+}
+
+}  // namespace mps
+}  // namespace marlin

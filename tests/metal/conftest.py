@@ -1,0 +1,27 @@
+import os
+import sys
+
+import pytest
+
+try:
+    import torch_marlin.testing.mslsim  # noqa: F401
+except ImportError:  # running from a source checkout without installing
+    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from metal_helpers import emulator_unavailable_reason  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = emulator_unavailable_reason()
+    if reason is None:
+        return
+    marker = pytest.mark.skip(reason=f"mslsim emulator unusable: {reason}")
+    here = os.path.dirname(__file__)
+    for item in items:
+        path = str(item.fspath)
+        if path.startswith(here) and os.path.basename(path) not in _NO_EMULATOR:
+            item.add_marker(marker)
+
+
+# Test files that do not run kernels on the emulator.
+_NO_EMULATOR = {"test_metal_mps.py", "test_metal_mm_syntax.py"}

@@ -1,0 +1,50 @@
+"""Shared by tests/metal: inputs, tolerances, the emulator availability probe."""
+
+import functools
+
+import torch
+
+from torch_marlin.formats import pack_codes
+
+FORMATS = ("fp4", "uint4", "int4")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+GROUP_SIZES = (16, 32, 64, 128, 256, -1)
+SEEDS = (0, 1)  # two random emulator schedules per case
+
+# Max |metal - cpu| / max |cpu| for gemm. Both accumulate in fp32 (different
+# order) and round once to the activation dtype, so the bound is about one
+# ulp of the output dtype at the largest output plus fp32 summation noise.
+GEMM_TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 2e-5}
+
+# K per group size: tails are K not a multiple of the 32-deep GEMM stage.
+K_FOR_GROUP = {16: 208, 32: 96, 64: 192, 128: 384, 256: 512, -1: 200}
+
+
+@functools.lru_cache(maxsize=1)
+def emulator_unavailable_reason():
+    try:
+        from torch_marlin.testing import mslsim
+        from torch_marlin.testing.metal import library
+
+        lib = library("dequant")
+        if "marlin_dequant_fp4_f16" not in lib.kernels():
+            return "metal/dequant.metal compiled without its kernels"
+        del mslsim
+        return None
+    except Exception as e:  # noqa: BLE001 - any failure means: skip with the reason
+        return f"{type(e).__name__}: {e}"
+
+
+def make_weight(fmt, k, n, group_size, codes=None, gen=None):
+    groups = 1 if group_size == -1 else k // group_size
+    if codes is None:
+        codes = torch.randint(0, 16, (k, n), generator=gen)
+    packed = pack_codes(codes)
+    scales = (torch.rand(groups, n, generator=gen) * 0.5 + 0.01).half()
+    zeros = (torch.rand(groups, n, generator=gen) * 15).half() if fmt == "uint4" else None
+    return packed, scales, zeros
+
+
+def rel_err(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
