@@ -6,11 +6,15 @@ from .formats import (E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_refer
 from .linear import MarlinLinear, quantized_linear
 from .model import QuantizationReport, quantize_model
 from .quantize import QuantizedWeight, quantize_weight, register_quantizer
+from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
 
 __version__ = "0.1.0"
 
+# Registers with transformers lazily, when its quantizer registry is first imported.
+enable_transformers_integration()
+
 __all__ = [
-    "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinLinear", "QuantizationReport",
-    "QuantizedWeight", "dequantize_reference", "pack_codes", "pack_fp4_weights",
+    "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinLinear", "QuantizationReport",
+    "QuantizedWeight", "dequantize_reference", "enable_transformers_integration", "from_pretrained", "pack_codes", "pack_fp4_weights",
     "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
 ]

@@ -23,7 +23,7 @@ import torch
 
 from . import formats
 from .hf.checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
-from .hf.config import QUANT_METHOD, build_quantization_config
+from .hf.config import build_quantization_config
 from .hf.importers import (SOURCE_QUANT_FILES, ConvertedLayer, FloatSource, Importer, make_importer,
                            source_quantization)
 from .hf.layout import describe_model
@@ -117,6 +117,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     parent = os.path.dirname(dst)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would carry over to DST
     writer = ShardedWriter(tmp, max_shard_bytes)
     try:
         result, modules = _write_tensors(source, importer, layout, writer, DTYPES.get(dtype), progress)
@@ -259,6 +260,12 @@ def _replace_directory(tmp: str, dst: str) -> None:
         os.rename(old, dst)
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class _NoBar:

