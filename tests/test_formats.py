@@ -75,6 +75,17 @@ def test_quantizer_error_and_determinism(weight_format, group_size, method):
     assert q1.relative_error < bound
 
 
+def test_search_rounding_matches_code_rounding():
+    """The search rounds fp4 by arithmetic; the final codes by bucketize. They must agree
+    everywhere, ties (midpoints between E2M1 magnitudes round down) included."""
+    from torch_marlin.quantize import _round_codes, _round_e2m1_magnitude
+
+    grid = torch.arange(0, 8 * 4096 + 1, dtype=torch.float32) / 4096  # every midpoint is on it
+    y = torch.cat([grid, grid.nextafter(torch.tensor(9.0)), torch.tensor([1e-30, 1e-3, 7.0, 50.0])])
+    expected = tm.formats.code_values(_round_codes(y, "fp4"), "fp4")
+    assert torch.equal(_round_e2m1_magnitude(y.clone()), expected)
+
+
 @pytest.mark.parametrize("weight_format", FORMATS)
 def test_mse_search_beats_absmax(weight_format):
     w = torch.randn(64, 1024)

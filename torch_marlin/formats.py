@@ -65,12 +65,18 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     k, n = codes.shape
     if k % PACK_FACTOR:
         raise ValueError(f"codes.shape[0] (K={k}) must be a multiple of {PACK_FACTOR}")
-    wide = codes.to(torch.int64)
-    if wide.numel() and (wide.min() < 0 or wide.max() > 15):
+    if codes.numel() and (codes.min() < 0 or codes.max() > 15):
         raise ValueError("codes must lie in 0..15")
-    words = (wide.view(k // PACK_FACTOR, PACK_FACTOR, n) << _SHIFTS.to(wide.device).view(1, -1, 1)).sum(1)
-    # Words above 2^31 wrap to negative int32: the bit pattern is what counts.
-    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+    packed = torch.empty(k // PACK_FACTOR, n, dtype=torch.int32, device=codes.device)
+    shifts = _SHIFTS.to(codes.device).view(1, -1, 1)
+    # int64 arithmetic on row blocks: exact, and temporary memory stays bounded.
+    rows = max(1, (1 << 21) // max(1, n * PACK_FACTOR))
+    for r0 in range(0, k // PACK_FACTOR, rows):
+        block = codes[r0 * PACK_FACTOR:(r0 + rows) * PACK_FACTOR].to(torch.int64)
+        words = (block.view(-1, PACK_FACTOR, n) << shifts).sum(1)
+        # Words above 2^31 wrap to negative int32: the bit pattern is what counts.
+        packed[r0:r0 + rows] = words - ((words >> 31) << 32)
+    return packed
 
 
 def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
