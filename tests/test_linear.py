@@ -49,7 +49,7 @@ def test_state_dict_and_safetensors_roundtrip(tmp_path, weight_format):
 
     linear = nn.Linear(100, 40)
     q = tm.MarlinLinear.from_linear(linear, weight_format, 32)
-    expected_keys = {"packed", "scales", "bias"} | ({"zeros"} if weight_format == "uint4" else set())
+    expected_keys = {"packed", "scales", "bias", "_extra_state"} | ({"zeros"} if weight_format == "uint4" else set())
     assert set(q.state_dict()) == expected_keys
     save_file(q.state_dict(), tmp_path / "layer.safetensors")
     fresh = tm.MarlinLinear(100, 40, weight_format=weight_format, group_size=32)
@@ -57,8 +57,22 @@ def test_state_dict_and_safetensors_roundtrip(tmp_path, weight_format):
     x = torch.randn(3, 100)
     assert torch.equal(fresh(x), q(x))
     wrong = tm.MarlinLinear(100, 40, weight_format=weight_format, group_size=64)
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(ValueError, match="group_size=32.*group_size=64"):
         wrong.load_state_dict(q.state_dict())
+
+
+def test_state_dict_of_another_format_is_refused():
+    """fp4 and int4 weights have identical shapes: only the saved layout tells them apart."""
+    q = tm.MarlinLinear.from_linear(nn.Linear(64, 8), "fp4", 32)
+    state = q.state_dict()
+    for kwargs, message in [(dict(weight_format="int4", group_size=32), "weight_format='fp4'"),
+                            (dict(weight_format="fp4", group_size=32, in_features=60), "in_features=64")]:
+        in_features = kwargs.pop("in_features", 64)
+        other = tm.MarlinLinear(in_features, 8, **kwargs)
+        with pytest.raises(ValueError, match=message):
+            other.load_state_dict(state)
+    with pytest.raises(ValueError, match="_extra_state"):
+        q.load_state_dict({**state, "_extra_state": torch.tensor([1.0])})
 
 
 def test_dtype_casts_keep_fp16_scales():

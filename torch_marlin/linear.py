@@ -102,6 +102,33 @@ class MarlinLinear(nn.Module):
                 if self._buffers.get(name) is not None:
                     self._buffers[name] = self._buffers[name].view(torch.float16)
 
+    # state_dict carries the layout next to the tensors, because fp4 and int4
+    # weights of the same shape are otherwise indistinguishable: loading one
+    # into the other must fail, not compute garbage.
+    _LAYOUT_VERSION = 1
+
+    def get_extra_state(self) -> torch.Tensor:
+        """[version, index in WEIGHT_FORMATS, group_size, in_features] (int64, docs/FORMAT.md)."""
+        return torch.tensor([self._LAYOUT_VERSION, formats.WEIGHT_FORMATS.index(self.weight_format),
+                             self.group_size, self.in_features], dtype=torch.int64)
+
+    def set_extra_state(self, state) -> None:
+        if not (isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() == 4
+                and not state.dtype.is_floating_point):
+            raise ValueError(f"MarlinLinear state_dict '_extra_state' must be 4 integers "
+                             f"[version, format, group_size, in_features], got {state!r}")
+        version, fmt, group_size, in_features = (int(v) for v in state.tolist())
+        if version != self._LAYOUT_VERSION or not 0 <= fmt < len(formats.WEIGHT_FORMATS):
+            raise ValueError(f"MarlinLinear state_dict has layout version {version} / format index {fmt}; "
+                             f"this torch_marlin reads version {self._LAYOUT_VERSION}")
+        saved = (formats.WEIGHT_FORMATS[fmt], group_size, in_features)
+        mine = (self.weight_format, self.group_size, self.in_features)
+        if saved != mine:
+            raise ValueError(
+                "state_dict was saved from MarlinLinear(weight_format={!r}, group_size={}, in_features={}); "
+                "this module has weight_format={!r}, group_size={}, in_features={}: build it with the "
+                "saved values".format(*saved, *mine))
+
     def extra_repr(self) -> str:
         bits = self.quantized_weight().nbytes * 8 / (self.in_features * self.out_features)
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
