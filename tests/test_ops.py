@@ -1,5 +1,9 @@
 """torch.ops.marlin.* on CPU against float64 dequantize-then-matmul."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -35,7 +39,8 @@ def assert_close_to_reference(y, x, b64, bias=None):
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 @pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
 def test_gemm_matches_float64_reference(weight_format, group_size, dtype):
-    for m, n, k in [(1, 64, 512), (2, 7, 256), (3, 200, 512), (8, 33, 256), (33, 64, 768), (130, 65, 256)]:
+    for m, n, k in [(1, 64, 512), (2, 7, 256), (3, 200, 512), (8, 33, 256), (13, 130, 512), (16, 64, 256),
+                    (17, 72, 256), (33, 64, 768), (130, 65, 256)]:
         if group_size > 0 and k % group_size:
             continue
         packed, scales, zeros = random_weight(k, n, weight_format, group_size)
@@ -139,3 +144,15 @@ def test_dequantize_bad_dtype():
     a = _args()
     with pytest.raises(RuntimeError, match="dtype must be float16, bfloat16 or float32"):
         torch.ops.marlin.dequantize(a["packed"], a["scales"], a["zeros"], "uint4", 32, torch.int32)
+
+
+@pytest.mark.skipif(os.environ.get("TORCH_MARLIN_CPU_KERNELS") == "generic", reason="already the portable build")
+def test_portable_kernels_match_reference():
+    """The build without AVX2 (what aarch64 and older x86 run), forced by environment variable."""
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS="generic")
+    tests = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and_batch_dims", "test_dequantize_is_exact",
+             "test_every_fp4_code_through_the_op"]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                             "-k", " or ".join(tests)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout

@@ -9,6 +9,7 @@ enum { kFormatFp4 = 0, kFormatUint4 = 1, kFormatInt4 = 2 };  // = marlin::Weight
 
 struct GemmArgs {
   const float* x;          // [m, k] fp32, contiguous (null for dequantize)
+  const float* xsum;       // [m, groups]: sum of x over each group (uint4 gemv only)
   const int32_t* packed;   // [k / 8, n]
   const uint16_t* scales;  // [groups, n] fp16 bits
   const uint16_t* zeros;   // [groups, n] fp16 bits, uint4 only
@@ -17,8 +18,12 @@ struct GemmArgs {
   int format;
 };
 
+// Up to this many rows of x, gemv decodes each weight word once in registers
+// and applies it to all rows; above, gemm_tile dequantizes cache-sized tiles.
+constexpr int64_t kGemvMaxRows = 8;
+
 // Columns per work item of each kernel; ops.cpp splits work along these.
-constexpr int64_t kGemvBlockCols = 32;
+constexpr int64_t kGemvBlockCols = 64;
 constexpr int64_t kGemmBlockCols = 64;
 constexpr int64_t kGemmBlockRows = 256;
 

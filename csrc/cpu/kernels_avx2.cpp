@@ -6,6 +6,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define MARLIN_KERNEL_NS avx2
+#define MARLIN_KERNEL_AVX2 1  // enables the AVX2/FMA/F16C builtins in kernels_impl.h
 #include "cpu/kernels_impl.h"
 #ifdef __clang__
 #pragma clang attribute pop

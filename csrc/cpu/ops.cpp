@@ -3,7 +3,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <memory>
+#include <string>
 
 #include "core/checks.h"
 #include "cpu/kernel_args.h"
@@ -12,12 +14,15 @@ namespace marlin {
 namespace cpu {
 namespace {
 
-// Below this many rows the fused GEMV (no dequantized tile) is faster.
-constexpr int64_t kGemvMaxRows = 2;
-
+// TORCH_MARLIN_CPU_KERNELS=generic forces the portable build, which is what
+// CPUs without AVX2 (and aarch64) run; the tests use it to check that build.
 bool use_avx2() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool supported = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool supported = [] {
+    const char* forced = std::getenv("TORCH_MARLIN_CPU_KERNELS");
+    if (forced && std::string(forced) == "generic") return false;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
   return supported;
 #else
   return false;
@@ -61,6 +66,12 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     a.m = m;
     const bool avx2 = use_avx2();
     if (m <= kGemvMaxRows) {
+      // uint4's zero point is applied per group, as zero * sum of x over the group.
+      at::Tensor xsum;
+      if (s.format == WeightFormat::kUint4) {
+        xsum = x2.view({m, s.groups, s.group_rows}).sum(-1).contiguous();
+        a.xsum = xsum.data_ptr<float>();
+      }
       const int64_t blocks = (s.n + kGemvBlockCols - 1) / kGemvBlockCols;
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         const int64_t n0 = b0 * kGemvBlockCols, n1 = std::min(s.n, b1 * kGemvBlockCols);
