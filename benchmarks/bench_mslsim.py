@@ -1,0 +1,60 @@
+"""Speed of the MSL emulator (a benchmark, not a test): a 256x256x256 fp16
+simdgroup_matrix GEMM (tests/mslsim/kernels/gemm.metal, 64 threadgroups of
+128 threads) on one core, and compile time cold and cached. Emulator speed
+says nothing about an Apple GPU.
+
+    python benchmarks/bench_mslsim.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from torch_marlin.testing import mslsim
+
+KERNEL = os.path.join(os.path.dirname(__file__), "..", "tests", "mslsim", "kernels", "gemm.metal")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ["TORCH_MARLIN_MSLSIM_CACHE"] = cache
+        start = time.perf_counter()
+        mslsim.compile(KERNEL)
+        cold = time.perf_counter() - start
+        start = time.perf_counter()
+        lib = mslsim.compile(KERNEL)
+        warm = time.perf_counter() - start
+
+        n = 256
+        a, b = torch.randn(n, n).half(), torch.randn(n, n).half()
+        times, barriers = [], 0
+        for _ in range(3):
+            c = torch.zeros(n, n).half()
+            start = time.perf_counter()
+            stats = lib.launch("gemm_f16_nn", grid=(n // 32, n // 32), threadgroup=(128,),
+                               args={0: a, 1: b, 2: c, 3: n, 4: n, 5: n}, workers=1)
+            times.append(time.perf_counter() - start)
+            barriers = stats.barriers
+        error = float((c.float() - a.float() @ b.float()).abs().max())
+
+    result = {"compile_cold_s": cold, "compile_cached_s": warm, "gemm256_s_one_core": min(times),
+              "gemm256_barriers": barriers, "gemm256_max_abs_error": error}
+    for key, value in result.items():
+        print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
