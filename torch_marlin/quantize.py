@@ -96,28 +96,28 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
         raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
     if weight.numel() == 0:
         raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
-    if not torch.isfinite(weight).all():
-        raise ValueError("weight contains NaN or Inf")
     n, k = weight.shape
     kp = formats.padded_in_features(k, group_size)
     gs = formats.effective_group_size(kp, group_size)
-    w = weight.detach().to(device="cpu", dtype=torch.float32).contiguous()
-    if kp != k:
-        w = torch.nn.functional.pad(w, (0, kp - k))
     codes = torch.empty(n, kp, dtype=torch.uint8)
     scales = torch.empty(n, kp // gs, dtype=torch.float16)
     zeros = torch.empty_like(scales) if weight_format == "uint4" else None
-    err2 = 0.0
+    err2 = norm2 = 0.0
+    # Row blocks of ~1M weights, converted to float32 one at a time: memory
+    # beyond the weight is its uint8 codes plus one block's scratch.
     rows = max(1, _ROW_CHUNK_ELEMENTS // kp)
     for r0 in range(0, n, rows):
-        chunk = w[r0:r0 + rows].view(-1, kp // gs, gs)
+        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32)
+        if not torch.isfinite(block).all():
+            raise ValueError("weight contains NaN or Inf")
+        chunk = torch.nn.functional.pad(block, (0, kp - k)).view(-1, kp // gs, gs)
         c, s, z = _QUANTIZERS[method](chunk, weight_format, gs)
         codes[r0:r0 + rows] = c.view(-1, kp)
         scales[r0:r0 + rows] = s
         if zeros is not None:
             zeros[r0:r0 + rows] = z
         err2 += float(((_reconstruct(c, s, z, weight_format) - chunk) ** 2).sum())
-    norm2 = float((w ** 2).sum())
+        norm2 += float((chunk ** 2).sum())
     q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
                                    weight_format, group_size, in_features=k, out_features=n)
     q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
