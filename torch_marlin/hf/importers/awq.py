@@ -25,9 +25,7 @@ class AWQSource(Importer):
     method: str = "awq"
 
     def __post_init__(self):
-        bits = self.config.get("bits", self.config.get("w_bit"))
-        if bits != 4:
-            raise UnsupportedQuantization(f"AWQ bits={bits!r} is not supported; torch_marlin imports 4-bit only")
+        self.require_4bit("AWQ", self.config)
         version = str(self.config.get("version", "gemm")).lower()
         if version != "gemm":
             raise UnsupportedQuantization(f"AWQ version={version!r} is not supported (only 'gemm': "
@@ -37,16 +35,7 @@ class AWQSource(Importer):
         self.group_size = int(self.config.get("group_size", self.config.get("q_group_size", 128)))
 
     def plan(self) -> Dict[str, LayerPlan]:
-        plans = {}
-        for key in self.source.keys():
-            if key.endswith(".qweight"):
-                prefix = key[: -len(".qweight")]
-                bias = f"{prefix}.bias"
-                plans[prefix] = LayerPlan([key, f"{prefix}.qzeros", f"{prefix}.scales"],
-                                          bias if bias in self.source else None)
-        if not plans:
-            raise UnsupportedQuantization("config says AWQ but no '*.qweight' tensors were found")
-        return plans
+        return self.plan_layers(".qweight", "AWQ", lambda module, key: [key, f"{module}.qzeros", f"{module}.scales"])
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         qweight = self.require(f"{module}.qweight", torch.int32)

@@ -59,6 +59,29 @@ class Importer:
 
     # --- helpers shared by importers -------------------------------------------------
 
+    def plan_layers(self, suffix: str, label: str, tensors_of) -> Dict[str, LayerPlan]:
+        """One LayerPlan per '<module><suffix>' tensor: tensors_of(module, key) lists
+        the layer's tensors; the bias is added when the checkpoint has one."""
+        plans = {}
+        for key in self.source.keys():
+            if key.endswith(suffix):
+                module = key[: -len(suffix)]
+                bias = f"{module}.bias"
+                plans[module] = LayerPlan(tensors_of(module, key), bias if bias in self.source else None)
+        if not plans:
+            raise UnsupportedQuantization(f"config says {label} but no '*{suffix}' tensors were found")
+        return plans
+
+    def present(self, *keys: str) -> List[str]:
+        """The optional tensors among `keys` that the checkpoint has."""
+        return [k for k in keys if k in self.source]
+
+    @staticmethod
+    def require_4bit(label: str, config: dict) -> None:
+        bits = config.get("bits", config.get("w_bit"))
+        if bits != 4:
+            raise UnsupportedQuantization(f"{label} bits={bits!r} is not supported; torch_marlin imports 4-bit only")
+
     def require(self, key: str, dtype=None, shape=None) -> torch.Tensor:
         if key not in self.source:
             raise CheckpointError(f"tensor {key!r} is missing from the checkpoint")

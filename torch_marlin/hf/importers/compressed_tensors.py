@@ -55,28 +55,19 @@ class CompressedTensorsSource(Importer):
         raise UnsupportedQuantization(f"{module}: no config group targets this layer")
 
     def plan(self) -> Dict[str, LayerPlan]:
-        plans = {}
-        for key in self.source.keys():
-            if not key.endswith(".weight_packed"):
-                continue
-            module = key[: -len(".weight_packed")]
+        def tensors(module, key):
             _, group = self._scheme(module)
             fmt = group.get("format") or self.default_format
-            bias = f"{module}.bias"
-            bias = bias if bias in self.source else None
             if fmt == "nvfp4-pack-quantized":
-                keys = [key, f"{module}.weight_scale", f"{module}.weight_global_scale"]
-                keys += [k for k in (f"{module}.input_global_scale",) if k in self.source]
-            elif fmt == "pack-quantized":
-                keys = [key] + [f"{module}.{n}" for n in ("weight_scale", "weight_shape", "weight_zero_point",
-                                                          "weight_g_idx") if f"{module}.{n}" in self.source]
-            else:
-                raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} is not supported "
-                                              f"(supported: pack-quantized, nvfp4-pack-quantized)")
-            plans[module] = LayerPlan(keys, bias)
-        if not plans:
-            raise UnsupportedQuantization("compressed-tensors config but no '*.weight_packed' tensors were found")
-        return plans
+                return [key, f"{module}.weight_scale", f"{module}.weight_global_scale",
+                        *self.present(f"{module}.input_global_scale")]
+            if fmt == "pack-quantized":
+                return [key, *self.present(*(f"{module}.{n}" for n in ("weight_scale", "weight_shape",
+                                                                        "weight_zero_point", "weight_g_idx")))]
+            raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} is not supported "
+                                          f"(supported: pack-quantized, nvfp4-pack-quantized)")
+
+        return self.plan_layers(".weight_packed", "compressed-tensors", tensors)
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         _, group = self._scheme(module)

@@ -42,23 +42,19 @@ class MXFP4Source(Importer):
     method: str = "mxfp4"
 
     def plan(self) -> Dict[str, LayerPlan]:
-        plans = {}
         for key in self.source.keys():
-            if key.endswith("_blocks"):
-                base = key[: -len("_blocks")]
-                if not base.endswith(".weight"):
-                    raise UnsupportedQuantization(
-                        f"{key}: MXFP4 tensor of parameter {base.rpartition('.')[2]!r} (e.g. gpt-oss MoE "
-                        f"experts) is not a linear layer weight; only '<module>.weight_blocks' is supported")
-                if len(self.source.shape(key)) != 3:
-                    raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got "
-                                                  f"{list(self.source.shape(key))} (3-D expert stacks unsupported)")
-                module = base[: -len(".weight")]
-                bias = f"{module}.bias"
-                plans[module] = LayerPlan([key, f"{base}_scales"], bias if bias in self.source else None)
-        if not plans:
-            raise UnsupportedQuantization("config says MXFP4 but no '*.weight_blocks' tensors were found")
-        return plans
+            if key.endswith("_blocks") and not key.endswith(".weight_blocks"):
+                raise UnsupportedQuantization(
+                    f"{key}: MXFP4 tensor of parameter {key[: -len('_blocks')].rpartition('.')[2]!r} (e.g. "
+                    f"gpt-oss MoE experts) is not a linear layer weight; only '<module>.weight_blocks' is supported")
+
+        def tensors(module, key):
+            if len(self.source.shape(key)) != 3:
+                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got "
+                                              f"{list(self.source.shape(key))} (3-D expert stacks unsupported)")
+            return [key, f"{module}.weight_scales"]
+
+        return self.plan_layers(".weight_blocks", "MXFP4", tensors)
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         blocks = self.require(plan.keys[0], torch.uint8)
@@ -95,19 +91,10 @@ class NVFP4Source(Importer):
         self.dropped = []
 
     def plan(self) -> Dict[str, LayerPlan]:
-        plans = {}
-        for key in self.source.keys():
-            if key.endswith("." + self.global_name):
-                module = key[: -len(self.global_name) - 1]
-                keys = [f"{module}.{self.packed_name}", f"{module}.weight_scale", key]
-                # Activation scales only matter for FP4 activations; torch_marlin is weight-only.
-                keys += [k for k in (f"{module}.input_scale", f"{module}.input_global_scale") if k in self.source]
-                bias = f"{module}.bias"
-                plans[module] = LayerPlan(keys, bias if bias in self.source else None)
-        if not plans:
-            raise UnsupportedQuantization(f"config says NVFP4 ({self.flavor}) but no "
-                                          f"'*.{self.global_name}' tensors were found")
-        return plans
+        # Activation scales only matter for FP4 activations; torch_marlin is weight-only.
+        return self.plan_layers("." + self.global_name, f"NVFP4 ({self.flavor})", lambda module, key: [
+            f"{module}.{self.packed_name}", f"{module}.weight_scale", key,
+            *self.present(f"{module}.input_scale", f"{module}.input_global_scale")])
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         packed = self.require(plan.keys[0], torch.uint8)

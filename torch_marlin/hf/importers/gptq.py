@@ -25,9 +25,7 @@ class GPTQSource(Importer):
     method: str = "gptq"
 
     def __post_init__(self):
-        bits = self.config.get("bits", self.config.get("w_bit"))
-        if bits != 4:
-            raise UnsupportedQuantization(f"GPTQ bits={bits!r} is not supported; torch_marlin imports 4-bit only")
+        self.require_4bit("GPTQ", self.config)
         self.group_size = int(self.config.get("group_size", 128))
         # AutoGPTQ/transformers say checkpoint_format, newer GPTQModel says format.
         fmt = self.config.get("checkpoint_format") or self.config.get("format") or "gptq"
@@ -37,18 +35,8 @@ class GPTQSource(Importer):
         self.zero_offset = 1 if fmt == "gptq" else 0
 
     def plan(self) -> Dict[str, LayerPlan]:
-        plans = {}
-        for key in self.source.keys():
-            if key.endswith(".qweight"):
-                prefix = key[: -len(".qweight")]
-                keys = [key, f"{prefix}.qzeros", f"{prefix}.scales"]
-                if f"{prefix}.g_idx" in self.source:
-                    keys.append(f"{prefix}.g_idx")
-                bias = f"{prefix}.bias"
-                plans[prefix] = LayerPlan(keys, bias if bias in self.source else None)
-        if not plans:
-            raise UnsupportedQuantization("config says GPTQ but no '*.qweight' tensors were found")
-        return plans
+        return self.plan_layers(".qweight", "GPTQ", lambda module, key: [
+            key, f"{module}.qzeros", f"{module}.scales", *self.present(f"{module}.g_idx")])
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         qweight = self.require(f"{module}.qweight", torch.int32)
