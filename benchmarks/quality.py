@@ -76,26 +76,19 @@ def linear_layers(model):
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
 
 
-def set_module(model, name, module):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def quantize_marlin(model, weight_format, group_size, quantizer):
-    """Replace every Linear by MarlinLinear; returns (bits per weight, relative weight error)."""
+    """quantize_model on every Linear; returns (bits per weight, relative weight error)."""
     import torch_marlin
 
-    bits = params = err2 = norm2 = 0.0
-    for name, linear in linear_layers(model):
-        w = linear.weight.detach()
-        q = torch_marlin.quantize_weight(w, weight_format, group_size, quantizer)
-        set_module(model, name, torch_marlin.MarlinLinear.from_quantized(q, linear.bias.detach()))
-        bits += 8 * q.nbytes
-        params += w.numel()
-        n2 = float((w.double() ** 2).sum())
-        err2 += q.relative_error ** 2 * n2
-        norm2 += n2
-    return bits / params, (err2 / norm2) ** 0.5
+    norms2 = {name: float((m.weight.detach().double() ** 2).sum()) for name, m in linear_layers(model)}
+    report = torch_marlin.quantize_model(model, weight_format, group_size, method=quantizer)
+    bits = params = err2 = 0.0
+    for name in report.replaced:
+        layer = model.get_submodule(name)
+        bits += 8 * layer.quantized_weight().nbytes
+        params += layer.in_features * layer.out_features
+        err2 += report.relative_errors[name] ** 2 * norms2[name]
+    return bits / params, (err2 / sum(norms2.values())) ** 0.5
 
 
 def mlx_affine(w: torch.Tensor, group_size: int = 64) -> torch.Tensor:

@@ -67,13 +67,11 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
         else:
             targets.append(name)
     for name in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, child)
+        linear = model.get_submodule(name)
         quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
         report.bytes_before += _nbytes(linear)
         report.bytes_after += _nbytes(quantized)
         report.relative_errors[name] = quantized.quantization_error
-        setattr(parent, child, quantized)
+        model.set_submodule(name, quantized)
         report.replaced.append(name)
     return report

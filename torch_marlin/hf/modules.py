@@ -26,12 +26,6 @@ class PermutedInputMarlinLinear(MarlinLinear):
         return super().forward(x.index_select(-1, self.input_perm.to(torch.long)))
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
-
-
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
     """Replace the linear layers named in a checkpoint's `modules` table by empty
     MarlinLinear modules (on `device`, normally meta) ready to receive the tensors."""
@@ -49,8 +43,8 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
         old = model.get_submodule(name)
         dtype = old.weight.dtype if old.weight.is_floating_point() else None
         cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
-        _set_module(model, name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
-                                     entry["group_size"], device=device, dtype=dtype))
+        model.set_submodule(name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
+                                      entry["group_size"], device=device, dtype=dtype))
         replaced.append(name)
     _skip_parent_init(model, replaced)
     return replaced
@@ -61,8 +55,7 @@ def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
     child's `.weight` (GPT-2 does `c_proj.weight`), which MarlinLinear does not have. A parent
     holding no tensors of its own has nothing else to initialize, so mark it done."""
     for name in replaced:
-        parent_name = name.rpartition(".")[0]
-        parent = model.get_submodule(parent_name) if parent_name else model
+        parent = model.get_submodule(name.rpartition(".")[0])  # "" is the model itself
         own = list(parent.parameters(recurse=False)) + [b for b in parent.buffers(recurse=False) if b is not None]
         if not own and parent is not model:
             parent._is_hf_initialized = True
@@ -87,7 +80,7 @@ def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: in
         q = quantize_weight(weight, weight_format, group_size, quantizer)
         bias = None if old.bias is None else old.bias.detach().cpu()
         new = MarlinLinear.from_quantized(q, bias).to(old.weight.device)
-        _set_module(model, name, new)
+        model.set_submodule(name, new)
         table[name] = {"weight_format": weight_format, "group_size": group_size,
                        "in_features": spec.in_features, "out_features": spec.out_features}
     return table
