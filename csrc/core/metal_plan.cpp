@@ -70,15 +70,23 @@ const char* arg_name(Arg arg) {
   return "?";
 }
 
-Plan plan_dequantize(int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
-                     int64_t group_rows) {
+// A plan with its problem filled in and no launches yet.
+static Plan empty_plan(const char* op, int64_t m, int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
+                       int64_t group_rows) {
   Plan p;
-  p.op = "dequantize";
+  p.op = op;
+  p.m = m;
   p.n = n;
   p.k = k;
   p.group_rows = group_rows;
   p.dtype = dtype;
   p.format = format;
+  return p;
+}
+
+Plan plan_dequantize(int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
+                     int64_t group_rows) {
+  Plan p = empty_plan("dequantize", 0, n, k, format, dtype, group_rows);
   Launch l;
   l.source = "dequant";
   l.kernel = std::string("marlin_dequant_") + format_name(format) + "_" + dtype_name(dtype);
@@ -98,14 +106,7 @@ Plan plan_dequantize(int64_t n, int64_t k, WeightFormat format, at::ScalarType d
 
 Plan plan_gemm(int64_t m, int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
                int64_t group_rows, bool has_bias) {
-  Plan p;
-  p.op = "gemm";
-  p.m = m;
-  p.n = n;
-  p.k = k;
-  p.group_rows = group_rows;
-  p.dtype = dtype;
-  p.format = format;
+  Plan p = empty_plan("gemm", m, n, k, format, dtype, group_rows);
   if (m == 0) return p;  // empty output, nothing to launch
   // Kernels index with 32-bit sizes and 64-bit offsets: any M, N, K < 2^32.
   u32(m, "M");
