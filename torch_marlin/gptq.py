@@ -104,7 +104,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
     u, used_damp = _inverse_cholesky(h, damp)
     cost = torch.diagonal(u).pow(-2).float()  # GPTQ's cost per unit squared error of each column
     cost[k:] = 0  # padding meets zero inputs
-    problem = _Problem(w.float(), h, u.float(), cost, weight_format, gs, _block_columns(block_size, gs, kp))
+    problem = _Problem(w.float(), h, u, cost, weight_format, gs, block_size)
 
     best = problem.run(None)
     for _ in range(refine_rounds):
@@ -177,13 +177,17 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> Tuple[torch.Tensor, float
 
 
 class _Problem:
+    """GPTQ passes on padded (and permuted) w [N, Kp] with upper Cholesky factor u of H^-1.
+    Runs in w's dtype (float32; the tests use float64); h is float64."""
+
     def __init__(self, w, h, u, cost, weight_format, group_size, block):
-        self.w, self.h, self.u = w, h, u  # float32 [N, Kp], float64 [Kp, Kp], float32 [Kp, Kp]
+        self.w, self.h, self.u = w, h, u.to(w.dtype)
         self.cost = cost  # float32 [Kp]
-        self.fmt, self.gs, self.block = weight_format, group_size, block
+        self.fmt, self.gs = weight_format, group_size
+        self.block = _block_columns(block, group_size, w.shape[1])
 
     def loss_of(self, dequantized: torch.Tensor) -> float:
-        e = (self.w - dequantized).double()
+        e = self.w.double() - dequantized.double()
         return float(((e @ self.h) * e).sum())
 
     def run(self, fixed: Optional[_Solution]) -> _Solution:
@@ -192,8 +196,8 @@ class _Problem:
         n, kp = w.shape
         gs, fmt = self.gs, self.fmt
         groups = kp // gs
-        values = torch.empty(n, kp, dtype=torch.float32)
-        deq = torch.empty(n, kp, dtype=torch.float32)
+        values = torch.empty(n, kp, dtype=w.dtype)
+        deq = torch.empty(n, kp, dtype=w.dtype)
         if fixed is None:
             scales = torch.empty(n, groups, dtype=torch.float16)
             zeros = torch.empty_like(scales) if fmt == "uint4" else None
@@ -208,7 +212,7 @@ class _Problem:
             i2 = min(i1 + self.block, kp)
             w1 = w[:, i1:i2]  # a view: updated in place
             u1 = self.u[i1:i2, i1:i2]
-            err = torch.empty(n, i2 - i1, dtype=torch.float32)
+            err = torch.empty(n, i2 - i1, dtype=w.dtype)
             for i in range(i2 - i1):
                 col = i1 + i
                 g = col // gs
@@ -289,7 +293,7 @@ def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
     """(code value before the scale -- q itself for uint4 --, dequantized value) of one column."""
     x = w / scale
     if weight_format == "fp4":
-        v = _round_e2m1_magnitude(x.abs()).copysign_(x)
+        v = _round_e2m1_magnitude(x.abs().float()).to(x.dtype).copysign_(x)
         return v, v * scale
     if weight_format == "int4":
         v = torch.round(x).clamp_(-formats.INT4_OFFSET, 15 - formats.INT4_OFFSET)
@@ -309,6 +313,7 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
     """Scale (and zero) for each row of group [N, gs] minimizing sum_k cost[k] (w - q)^2:
     clipped ranges, each refit by weighted least squares on its codes."""
     c = cost.float().unsqueeze(0) + 1e-30
+    group = group.float()
     n = group.shape[0]
     best_err = torch.full((n,), float("inf"))
     best_s = torch.empty(n, dtype=torch.float16)
