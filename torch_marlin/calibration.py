@@ -1,18 +1,31 @@
 """Sequential calibration: collect each linear layer's input Hessian and quantize it with GPTQ.
 
-Layers are quantized in the order the model first calls them. For each step
-the calibration batches are run through the model as it is at that moment
-(earlier layers already quantized), forward hooks add x x^T of the step's
-layers' inputs into one [K, K] float32 Hessian, and the forward stops right
-after the last of those layers was reached. Memory is one Hessian per step
-plus one batch's activations; nothing else is kept between batches. Layers
-that the model calls one after another on the same input tensor (q/k/v,
-gate/up) share one Hessian and one step. The cost is one forward pass over
-the calibration data to find the order plus one partial pass per step.
+Layers are quantized in the order the model first calls them, each on the
+inputs it receives from the model with all earlier layers already quantized.
+A step is one layer, or several that the model calls one after another on
+the same input tensor (q/k/v, gate/up: they share one Hessian). For each step
+forward hooks add x x^T of the step's input rows into one [K, K] float32
+Hessian; nothing else is kept between batches.
+
+How the inputs are produced:
+
+- Generic (any nn.Module): the calibration batches run through the whole
+  model, and the forward stops right after the step's last layer was reached.
+  Cost: one pass to find the order plus about half a pass per step.
+- Blocks (transformer stacks, found and verified automatically): when the
+  layers sit in the children of an nn.ModuleList that the model calls one
+  after another, each feeding its output to the next with the same other
+  arguments (checked by object identity during the first pass), the inputs of
+  the current block are kept for every batch and only that block runs: its
+  steps, then once more to produce the next block's inputs. Cost: about
+  three passes in all; memory: one block's inputs for the calibration set.
+  The results are identical to the generic way (same operations on the same
+  inputs); layers outside the blocks (embeddings side, pooler, heads) use it.
 
 Padding is excluded: when a batch is a dict with a 2-D `attention_mask` and a
 layer's input starts with the mask's [batch, sequence] dimensions, only the
-positions where the mask is nonzero count.
+positions where the mask is nonzero count. A model whose config has
+`use_cache` runs with it off during calibration (no key/value caches).
 """
 
 from __future__ import annotations
@@ -38,9 +51,10 @@ class _StopForward(BaseException):
 @dataclass
 class CalibrationStats:
     batches: int = 0
-    tokens: Dict[str, int] = field(default_factory=dict)  # inputs rows seen per layer (first pass)
+    rows: Dict[str, int] = field(default_factory=dict)  # input rows (tokens) seen per layer
     unreached: List[str] = field(default_factory=list)
     steps: int = 0
+    blocks: Optional[str] = None  # the nn.ModuleList run block by block, if any
     seconds_forward: float = 0.0
     seconds_quantize: float = 0.0
 
@@ -84,8 +98,25 @@ def _mask_of(batch) -> Optional[torch.Tensor]:
     return None
 
 
+def _input_of(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs.get("input")
+
+
+def _looks_like_cache(value) -> bool:
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+@dataclass
+class _BlockCall:
+    """One batch's call of the current block: what to run it with again."""
+
+    args: tuple
+    kwargs: dict
+    mask: Optional[torch.Tensor]
+
+
 class _Runner:
-    """Runs calibration batches through the model with hooks on some layers."""
+    """Runs calibration batches through the model (or one block) with pre-hooks on some modules."""
 
     def __init__(self, model: nn.Module, batches: list, stats: CalibrationStats):
         self.model = model
@@ -97,7 +128,7 @@ class _Runner:
 
     def rows(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
         """A layer's input as [rows, K] float32, padding removed; checks for NaN/Inf."""
-        x = args[0] if args else kwargs.get("input")
+        x = _input_of(args, kwargs)
         if not isinstance(x, torch.Tensor):
             raise CalibrationError(f"layer {name!r} was called without a tensor input")
         if self.mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(self.mask.shape):
@@ -109,14 +140,17 @@ class _Runner:
                                    f"partially quantized state) produces non-finite activations")
         return x.float()
 
-    def run(self, hooks: Dict[nn.Module, Callable], stop_when: Optional[Callable[[], bool]] = None):
-        handles = [m.register_forward_pre_hook(fn, with_kwargs=True) for m, fn in hooks.items()]
+    def _hooked(self, hooks: Dict[nn.Module, Callable]):
+        return [m.register_forward_pre_hook(fn, with_kwargs=True) for m, fn in hooks.items()]
+
+    def run(self, hooks: Dict[nn.Module, Callable]) -> None:
+        """Every batch through the whole model."""
+        handles = self._hooked(hooks)
         start = time.perf_counter()
         try:
             with torch.no_grad():
                 for i, batch in enumerate(self.batches):
-                    self.batch_index = i
-                    self.mask = _mask_of(batch)
+                    self.batch_index, self.mask = i, _mask_of(batch)
                     batch = _to_device(batch, self.device)
                     try:
                         if isinstance(batch, torch.Tensor):
@@ -137,46 +171,177 @@ class _Runner:
                 h.remove()
             self.stats.seconds_forward += time.perf_counter() - start
 
+    def run_block(self, block: nn.Module, calls: List[_BlockCall], hooks: Dict[nn.Module, Callable],
+                  keep_outputs: bool = False) -> list:
+        """Every batch's stored call of one block; returns the outputs if asked."""
+        handles = self._hooked(hooks)
+        start = time.perf_counter()
+        outputs = []
+        try:
+            with torch.no_grad():
+                for i, call in enumerate(calls):
+                    self.batch_index, self.mask = i, call.mask
+                    try:
+                        out = block(*call.args, **call.kwargs)
+                    except _StopForward:
+                        out = None
+                    if keep_outputs:
+                        outputs.append(out)
+        finally:
+            for h in handles:
+                h.remove()
+            self.stats.seconds_forward += time.perf_counter() - start
+        return outputs
 
-def _discover(runner: _Runner, targets: Dict[str, nn.Module]):
-    """One full pass: first-call order, rows seen and calls per batch of every target,
-    and which consecutive calls share their input tensor."""
+
+@dataclass
+class _Discovery:
+    steps: List[List[str]]  # layer names per step, in forward order
+    rows: Dict[str, int]
+    once: Dict[str, bool]  # called at most once per forward
+    block_of: Dict[str, Optional[int]]  # index of the block a layer runs in (None: outside)
+    blocks: Optional[List[nn.Module]] = None  # set when block-by-block running was verified
+    blocks_name: Optional[str] = None
+    output_is_tuple: bool = False  # the next block's input is output[0] (else the output itself)
+
+
+def _candidate_blocks(model: nn.Module, targets: Dict[str, nn.Module]):
+    """The nn.ModuleList holding the most target layers (at least two children with some)."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not name:
+            continue
+        used = {t[len(name) + 1:].split(".", 1)[0] for t in targets if t.startswith(name + ".")}
+        count = sum(1 for t in targets if t.startswith(name + "."))
+        if len(used) >= 2 and (best is None or count > best[0]):
+            best = (count, name, list(module))
+    return (best[1], best[2]) if best else (None, None)
+
+
+def _discover(runner: _Runner, model: nn.Module, targets: Dict[str, nn.Module]) -> _Discovery:
+    """One full pass over the batches: first-call order, rows seen and calls per batch of every
+    target, which consecutive calls share their input tensor, and whether the candidate blocks
+    can be run one by one (each called once, in order, fed by the previous one's output)."""
     order: List[str] = []
-    rows: Dict[str, int] = {name: 0 for name in targets}
+    rows = {name: 0 for name in targets}
     calls: Dict[str, tuple] = {}  # name -> (batch index, calls in that batch)
-    repeated = set()  # called more than once in one forward
-    shares_input_with_previous: Dict[str, bool] = {}
+    repeated = set()
+    shares_previous: Dict[str, bool] = {}
+    block_of: Dict[str, Optional[int]] = {}
     last = {"input": None, "name": None}
+    blocks_name, blocks = _candidate_blocks(model, targets)
+    chain = {"ok": blocks is not None, "why": "", "tuple": None, "current": None, "previous": None,
+             "expected": 0, "out": None}
 
-    def hook_for(name):
+    def refuse(why):
+        chain["ok"], chain["why"] = False, why
+
+    def target_hook(name):
         def hook(module, args, kwargs):
-            x = args[0] if args else kwargs.get("input")
+            x = _input_of(args, kwargs)
             rows[name] += runner.rows(name, args, kwargs).shape[0]
             batch, count = calls.get(name, (-1, 0))
             count = count + 1 if batch == runner.batch_index else 1
             calls[name] = (runner.batch_index, count)
             if count > 1:
                 repeated.add(name)
-            if name not in shares_input_with_previous:
+            where = chain["current"]
+            if name in block_of and block_of[name] != where:
+                refuse(f"{name} runs in more than one place")
+            block_of[name] = where
+            if name not in shares_previous:
                 # Same tensor as the call just before, and that call was the previous new layer.
-                shares_input_with_previous[name] = last["input"] is x and bool(order) and last["name"] == order[-1]
+                shares_previous[name] = last["input"] is x and bool(order) and last["name"] == order[-1]
                 order.append(name)
             last["input"], last["name"] = x, name
         return hook
 
-    hooks = {module: hook_for(name) for name, module in targets.items()}
+    def block_pre_hook(index):
+        def hook(module, args, kwargs):
+            if index != chain["expected"]:
+                refuse(f"block {index} ran out of order")
+            chain["expected"] = index + 1
+            if any(_looks_like_cache(v) for v in list(args) + list(kwargs.values())):
+                refuse("a block receives a key/value cache")
+            previous = chain["previous"]
+            if previous is not None and chain["ok"]:
+                p_args, p_kwargs, out = previous
+                fed = out[0] if isinstance(out, (tuple, list)) and out else out
+                as_tuple = fed is not out
+                if not (args and args[0] is fed and len(args) == len(p_args)
+                        and all(a is b for a, b in zip(args[1:], p_args[1:]))
+                        and kwargs.keys() == p_kwargs.keys()
+                        and all(kwargs[k] is p_kwargs[k] for k in kwargs)):
+                    refuse(f"block {index} is not fed by block {index - 1}'s output with the same arguments")
+                elif chain["tuple"] not in (None, as_tuple):
+                    refuse("blocks return different kinds of output")
+                chain["tuple"] = as_tuple
+            chain["current"] = index
+            chain["previous"] = (args, kwargs, None)
+        return hook
+
+    def block_hook(index):
+        def hook(module, args, kwargs, output):
+            chain["current"] = None
+            chain["previous"] = (args, kwargs, output)
+        return hook
+
+    hooks = {module: target_hook(name) for name, module in targets.items()}
+    handles = []
+    if blocks is not None:
+        for i, block in enumerate(blocks):
+            if block in hooks:  # a target itself: not a block of layers
+                refuse("the list holds linear layers, not blocks")
+            handles.append(block.register_forward_pre_hook(block_pre_hook(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(block_hook(i), with_kwargs=True))
+
+    original_run = runner.run
+
+    def run_checking_each_batch(hooks_):
+        # Each batch must call every block once, in order.
+        def batch_start(module, args, kwargs):
+            if chain["expected"] not in (0, len(blocks)):
+                refuse("a forward did not call every block")
+            chain["expected"], chain["previous"], chain["current"] = 0, None, None
+        extra = {model: batch_start} if blocks is not None else {}
+        original_run({**extra, **hooks_})
+
     try:
-        runner.run(hooks)
+        run_checking_each_batch(hooks)
     finally:
+        for h in handles:
+            h.remove()
         last["input"] = None
+        chain["previous"] = None
+    if blocks is not None and chain["expected"] not in (0, len(blocks)):
+        refuse("a forward did not call every block")
+
     steps: List[List[str]] = []
     for name in order:
-        if shares_input_with_previous[name] and steps:
+        if shares_previous[name] and steps:
             steps[-1].append(name)
         else:
             steps.append([name])
-    once = {name: name not in repeated for name in order}
-    return steps, rows, once
+    found = _Discovery(steps, rows, {name: name not in repeated for name in order}, block_of)
+    if blocks is not None and chain["ok"] and _steps_fit_blocks(steps, block_of):
+        found.blocks, found.blocks_name, found.output_is_tuple = blocks, blocks_name, bool(chain["tuple"])
+    return found
+
+
+def _steps_fit_blocks(steps: List[List[str]], block_of: Dict[str, Optional[int]]) -> bool:
+    """Steps must not mix blocks, and block steps must be in block order with no outside
+    step between the first and the last block's steps."""
+    where = []
+    for step in steps:
+        places = {block_of[name] for name in step}
+        if len(places) != 1:
+            return False
+        where.append(places.pop())
+    inside = [i for i, w in enumerate(where) if w is not None]
+    if not inside:
+        return False
+    span = where[inside[0]:inside[-1] + 1]
+    return None not in span and span == sorted(span)
 
 
 def _dense_stand_in(quantized: nn.Module, linear: nn.Linear) -> nn.Linear:
@@ -197,60 +362,59 @@ def _dense_stand_in(quantized: nn.Module, linear: nn.Linear) -> nn.Linear:
 
 def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calibration: Iterable,
                           quantize_layer: Callable[[str, nn.Module, torch.Tensor], nn.Module],
-                          quantize_unreached: Callable[[str, nn.Module], nn.Module]) -> CalibrationStats:
+                          quantize_unreached: Callable[[str, nn.Module], nn.Module],
+                          use_blocks: bool = True) -> CalibrationStats:
     """Quantize `targets` ({qualified name: nn.Linear} of `model`) in forward order.
 
     quantize_layer(name, linear, hessian) returns the replacement module (a MarlinLinear).
     Until the end, later steps run through an nn.Linear holding its dequantized weight:
-    the same function, computed by the float GEMM, which is much faster than the 4-bit
+    the same function, computed by the float GEMM, which is faster than the 4-bit
     kernel on calibration-sized batches. Layers the calibration never reaches are
-    replaced by quantize_unreached(name, linear) and listed in the stats, with a warning."""
+    replaced by quantize_unreached(name, linear) and listed in the stats, with a warning.
+    use_blocks=False forces the generic way (the tests compare the two)."""
     batches = as_batches(calibration)
     stats = CalibrationStats(batches=len(batches))
     runner = _Runner(model, batches, stats)
-    steps, rows, once = _discover(runner, targets)
-    quantized: Dict[str, nn.Module] = {}
-    stats.tokens = {name: rows[name] for name in rows if rows[name]}
-    for step in steps:
-        first = targets[step[0]]
-        k = first.in_features
-        hessian = torch.zeros(k, k, dtype=torch.float32, device=runner.device)
-        seen = {"rows": 0}
-        last = step[-1]
-        # Full passes when a step's layers run more than once per forward (shared weights).
-        stop = all(once[name] for name in step)
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    try:
+        found = _discover(runner, model, targets)
+        stats.rows = {name: n for name, n in found.rows.items() if n}
+        quantized: Dict[str, nn.Module] = {}
 
-        def accumulate(module, args, kwargs, name=step[0]):
-            x = runner.rows(name, args, kwargs)
-            hessian.addmm_(x.t(), x)
-            seen["rows"] += x.shape[0]
+        def finish(step, hessian, seen_rows):
+            stats.steps += 1
+            hessian = hessian.cpu().double() / seen_rows
+            start = time.perf_counter()
+            for name in step:
+                quantized[name] = quantize_layer(name, targets[name], hessian)
+                model.set_submodule(name, _dense_stand_in(quantized[name], targets[name]))
+            stats.seconds_quantize += time.perf_counter() - start
 
-        def stop_after(module, args, kwargs):
-            raise _StopForward
-
-        hooks = {first: accumulate}
-        if stop:
-            # Hook on the step's last layer (which runs after the others) ends the forward.
-            if targets[last] is first:
-                def accumulate_and_stop(module, args, kwargs):
-                    accumulate(module, args, kwargs)
-                    raise _StopForward
-                hooks[first] = accumulate_and_stop
+        blocks = found.blocks if use_blocks else None
+        block_steps: Dict[int, List[List[str]]] = {}
+        for step in found.steps:
+            index = found.block_of[step[0]] if blocks is not None else None
+            if index is None:
+                if block_steps and blocks is not None:  # after the blocks: run them first
+                    _run_blocks(runner, blocks, block_steps, found, targets, finish)
+                    block_steps = {}
+                    blocks = None
+                _run_step(runner, step, targets, found.once, finish, lambda hooks: runner.run(hooks))
             else:
-                hooks[targets[last]] = stop_after
-        runner.run(hooks)
-        stats.steps += 1
-        if seen["rows"] == 0:  # cannot happen for layers found by _discover, but be safe
-            raise CalibrationError(f"layer {step[0]!r} received no calibration inputs")
-        hessian = hessian.cpu().double() / seen["rows"]
-        start = time.perf_counter()
-        for name in step:
-            quantized[name] = quantize_layer(name, targets[name], hessian)
-            model.set_submodule(name, _dense_stand_in(quantized[name], targets[name]))
-        stats.seconds_quantize += time.perf_counter() - start
+                block_steps.setdefault(index, []).append(step)
+        if block_steps and blocks is not None:
+            _run_blocks(runner, blocks, block_steps, found, targets, finish)
+        if found.blocks is not None and use_blocks:
+            stats.blocks = found.blocks_name
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
     for name, module in quantized.items():
         model.set_submodule(name, module)
-    reached = {name for step in steps for name in step}
+    reached = {name for step in found.steps for name in step}
     stats.unreached = [name for name in targets if name not in reached]
     if stats.unreached:
         warnings.warn(f"{len(stats.unreached)} linear layers were never called on the calibration data and "
@@ -260,3 +424,56 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
         for name in stats.unreached:
             model.set_submodule(name, quantize_unreached(name, targets[name]))
     return stats
+
+
+def _run_step(runner: _Runner, step: List[str], targets, once, finish, run) -> None:
+    """Accumulate the Hessian of one step's input with `run(hooks)`, then quantize the step."""
+    first = targets[step[0]]
+    hessian = torch.zeros(first.in_features, first.in_features, dtype=torch.float32, device=runner.device)
+    seen = {"rows": 0}
+
+    def accumulate(module, args, kwargs):
+        x = runner.rows(step[0], args, kwargs)
+        hessian.addmm_(x.t(), x)
+        seen["rows"] += x.shape[0]
+
+    def stop(module, args, kwargs):
+        raise _StopForward
+
+    def accumulate_and_stop(module, args, kwargs):
+        accumulate(module, args, kwargs)
+        raise _StopForward
+
+    hooks = {first: accumulate}
+    # The forward can end at the step's last layer (which runs after the others), unless a
+    # layer runs more than once per forward (shared weights): then the whole forward counts.
+    if all(once[name] for name in step):
+        last = targets[step[-1]]
+        hooks[last] = accumulate_and_stop if last is first else stop
+    run(hooks)
+    if seen["rows"] == 0:
+        raise CalibrationError(f"layer {step[0]!r} received no calibration inputs")
+    finish(step, hessian, seen["rows"])
+
+
+def _run_blocks(runner: _Runner, blocks: List[nn.Module], block_steps: Dict[int, List[List[str]]],
+                found: _Discovery, targets, finish) -> None:
+    """Quantize the blocks' layers block by block on kept block inputs."""
+    first = min(block_steps)
+    calls: List[_BlockCall] = []
+
+    def capture(module, args, kwargs):
+        calls.append(_BlockCall(args, kwargs, runner.mask))
+        raise _StopForward
+
+    runner.run({blocks[first]: capture})
+    for index in range(first, max(block_steps) + 1):
+        block = blocks[index]
+        for step in block_steps.get(index, []):
+            _run_step(runner, step, targets, found.once, finish,
+                      lambda hooks: runner.run_block(block, calls, hooks))
+        if index < max(block_steps):
+            outputs = runner.run_block(block, calls, {}, keep_outputs=True)
+            for call, out in zip(calls, outputs):
+                fed = out[0] if found.output_is_tuple else out
+                call.args = (fed,) + tuple(call.args[1:])

@@ -9,11 +9,11 @@ blocks of `block_size` columns (the "lazy batch" form). On top of that:
 - Group scales are searched when GPTQ reaches a group's first column, on the
   already-updated weights, minimizing the error weighted by each column's GPTQ
   cost 1 / U[k, k]^2 (U = chol(H^-1)) rather than the plain squared error.
-- Once the codes are fixed, every row's group scales (and zero points) are
-  refit jointly by least squares on the full objective; then GPTQ runs again
-  with those scales fixed and the scales are refit again (`refine_rounds`).
-  Whatever gives the smallest objective is kept, so refinement never makes
-  the result worse than the first pass on the calibration data.
+- Refinement (`refine_rounds`, default 1): with the codes fixed, every row's
+  group scales (and zero points) are refit jointly by least squares on the
+  full objective, then GPTQ runs again with those scales fixed. Of all the
+  solutions seen, the one with the smallest objective is kept, so refinement
+  never makes the result worse on the calibration data.
 - `act_order` quantizes columns by decreasing H[k, k]. The weight is stored in
   that order, so each group is a contiguous block of K for the existing
   kernels, and `input_perm` says how to permute the input
@@ -35,15 +35,16 @@ from typing import Optional, Tuple
 import torch
 
 from . import formats
-from .quantize import QuantizedWeight, _round_codes, _round_e2m1_magnitude, _to_fp16_scale, _values
+from .quantize import QuantizedWeight, _round_e2m1_magnitude, _to_fp16_scale, _values
 
 DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK_SIZE = 128
-DEFAULT_REFINE_ROUNDS = 2
+DEFAULT_REFINE_ROUNDS = 1
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _SEARCH_REFITS = 2
 _MAX_DAMP = 1.0  # relative damping beyond which H is considered unusable
 _REFIT_CHUNK_ELEMENTS = 1 << 24  # bounds the [rows, K, G] temporary of the scale refit
+_INNER_BLOCK = 32
 
 
 @dataclass
@@ -70,24 +71,31 @@ def check_hessian(hessian, in_features: int, name: str = "hessian") -> torch.Ten
     return (h + h.t()) / 2
 
 
+def check_options(weight_format: str, group_size: int, act_order: bool = False, damp: float = DEFAULT_DAMP,
+                  block_size: int = DEFAULT_BLOCK_SIZE, refine_rounds: int = DEFAULT_REFINE_ROUNDS) -> None:
+    formats.check_weight_format(weight_format)
+    formats.check_group_size(group_size)
+    if not isinstance(act_order, bool):
+        raise TypeError(f"act_order must be a bool, got {act_order!r}")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp <= _MAX_DAMP:
+        raise ValueError(f"damp must be a number in [0, {_MAX_DAMP}], got {damp!r}")
+    for arg, value, low in (("block_size", block_size, 1), ("refine_rounds", refine_rounds, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: str = "fp4",
                   group_size: int = 128, act_order: bool = False, damp: float = DEFAULT_DAMP,
                   block_size: int = DEFAULT_BLOCK_SIZE,
                   refine_rounds: int = DEFAULT_REFINE_ROUNDS) -> GPTQResult:
     """Quantize weight [N, K] minimizing tr((W - Q) H (W - Q)^T); see the module docstring."""
-    formats.check_weight_format(weight_format)
-    formats.check_group_size(group_size)
+    check_options(weight_format, group_size, act_order, damp, block_size, refine_rounds)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
     if weight.numel() == 0:
         raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
     n, k = weight.shape
     h = check_hessian(hessian, k)
-    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not 0 <= damp <= _MAX_DAMP:
-        raise ValueError(f"damp must be a number in [0, {_MAX_DAMP}], got {damp!r}")
-    for arg, value, low in (("block_size", block_size, 1), ("refine_rounds", refine_rounds, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{arg} must be an int >= {low}, got {value!r}")
     w = weight.detach().to(device="cpu", dtype=torch.float64)
     if not torch.isfinite(w).all():
         raise ValueError("weight contains NaN or Inf")
@@ -101,10 +109,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
     # Padded columns: zero weights, zero inputs.
     w = torch.nn.functional.pad(w, (0, kp - k))
     h = torch.nn.functional.pad(h, (0, kp - k, 0, kp - k))
-    u, used_damp = _inverse_cholesky(h, damp)
+    u, used_damp, added = _inverse_cholesky(h, damp)
     cost = torch.diagonal(u).pow(-2).float()  # GPTQ's cost per unit squared error of each column
     cost[k:] = 0  # padding meets zero inputs
-    problem = _Problem(w.float(), h, u, cost, weight_format, gs, block_size)
+    problem = _Problem(w.float(), h, u, cost, weight_format, gs, block_size, added)
+    del h, u
 
     best = problem.run(None)
     for _ in range(refine_rounds):
@@ -121,19 +130,24 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
         perm = None
     q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
                                    weight_format, group_size, in_features=k, out_features=n)
-    q.relative_error = _relative_weight_error(weight, q, perm)
+    deq = _dequantize(best.codes, best.scales, best.zeros, weight_format, gs)
+    norm = float(problem.w.norm())
+    q.relative_error = float((problem.w - deq).norm()) / norm if norm > 0 else 0.0
     reference = problem.loss_of(torch.zeros_like(problem.w))
     rel_out = math.sqrt(best.loss / reference) if reference > 0 else 0.0
     return GPTQResult(q, None if perm is None else perm.to(torch.int32), rel_out, used_damp)
 
 
 def output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor) -> float:
-    """Relative output error sqrt(tr(E H E^T) / tr(W H W^T)), E = W - dequantized, both [N, K]."""
-    h = hessian.detach().to(device="cpu", dtype=torch.float64)
-    w = weight.detach().to(device="cpu", dtype=torch.float64)
-    e = w - dequantized.detach().to(device="cpu", dtype=torch.float64)
-    reference = float(((w @ h) * w).sum())
-    return math.sqrt(max(float(((e @ h) * e).sum()), 0.0) / reference) if reference > 0 else 0.0
+    """Relative output error sqrt(tr(E H E^T) / tr(W H W^T)), E = W - dequantized, both [N, K];
+    computed in float64 for a float64 hessian, else in float32."""
+    dtype = torch.float64 if hessian.dtype == torch.float64 else torch.float32
+    h = hessian.detach().to(device="cpu", dtype=dtype)
+    w = weight.detach().to(device="cpu", dtype=dtype)
+    e = w - dequantized.detach().to(device="cpu", dtype=dtype)
+    reference = float(((w @ h) * w).sum(dtype=torch.float64))
+    error = float(((e @ h) * e).sum(dtype=torch.float64))
+    return math.sqrt(max(error, 0.0) / reference) if reference > 0 else 0.0
 
 
 # --- internals -------------------------------------------------------------------------
@@ -154,22 +168,25 @@ def _block_columns(block_size: int, group_size: int, k: int) -> int:
     return -(-block_size // group_size) * group_size
 
 
-def _inverse_cholesky(h: torch.Tensor, damp: float) -> Tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1; raises damping until it works."""
-    h = h.clone()
-    diag = torch.diagonal(h)
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> Tuple[torch.Tensor, float, torch.Tensor]:
+    """Upper Cholesky factor U of (H + diag(added))^-1 with added = damp * mean(diag H) (plus the
+    mean itself where H[k, k] = 0); raises damping until it works. Returns (U, damp, added)."""
+    diag = torch.diagonal(h).clone()
     dead = diag <= 0
     mean = float(diag[~dead].mean()) if (~dead).any() else 1.0
     diag[dead] = mean  # inputs never seen: plain rounding, no error carried to other columns
     used = damp
     while True:
-        damped = h + torch.eye(h.shape[0], dtype=h.dtype) * (used * mean)
+        damped = h.clone()
+        damped.diagonal().copy_(diag + used * mean)
         lower, info = torch.linalg.cholesky_ex(damped)
+        del damped
         if int(info) == 0:
             hinv = torch.cholesky_inverse(lower)
+            del lower
             upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
             if int(info) == 0:
-                return upper, used
+                return upper, used, diag + used * mean - torch.diagonal(h)
         if used >= _MAX_DAMP:
             raise ValueError("the Hessian is not positive definite even with damp=1.0; "
                              "the calibration inputs are degenerate")
@@ -178,23 +195,35 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> Tuple[torch.Tensor, float
 
 class _Problem:
     """GPTQ passes on padded (and permuted) w [N, Kp] with upper Cholesky factor u of H^-1.
-    Runs in w's dtype (float32; the tests use float64); h is float64."""
+    Runs in w's dtype (float32; the tests use float64)."""
 
-    def __init__(self, w, h, u, cost, weight_format, group_size, block):
-        self.w, self.h, self.u = w, h, u.to(w.dtype)
+    def __init__(self, w, h, u, cost, weight_format, group_size, block, added):
+        self.w, self.h, self.u = w, h.to(w.dtype), u.to(w.dtype)
+        self.added = added.to(w.dtype)  # what the damping added to diag(H)
         self.cost = cost  # float32 [Kp]
         self.fmt, self.gs = weight_format, group_size
         self.block = _block_columns(block, group_size, w.shape[1])
+        # Rank-1 updates inside blocks of this many columns, matrix products between them:
+        # a divisor or a multiple of the group size, so each group's search sees every update.
+        self.inner = min(_INNER_BLOCK, self.block) if group_size % _INNER_BLOCK == 0 or group_size > self.block \
+            else group_size
 
     def loss_of(self, dequantized: torch.Tensor) -> float:
-        e = self.w.double() - dequantized.double()
-        return float(((e @ self.h) * e).sum())
+        """tr(E H E^T), E = w - dequantized: one [N, K] x [K, K] product."""
+        e = self.w - dequantized.to(self.w.dtype)
+        return float(((e @ self.h) * e).sum(dtype=torch.float64))
+
+    def gptq_loss(self, squared_errors: float, dequantized: torch.Tensor) -> float:
+        """tr(E H E^T) of a GPTQ pass without the product: the pass's scaled errors
+        sum to tr(E (H + diag(added)) E^T) exactly, so subtract the damping's part."""
+        e = self.w - dequantized.to(self.w.dtype)
+        return squared_errors - float((e * e * self.added).sum(dtype=torch.float64))
 
     def run(self, fixed: Optional[_Solution]) -> _Solution:
         """One GPTQ pass; group scales searched on the fly, or taken from `fixed`."""
         w = self.w.clone()
         n, kp = w.shape
-        gs, fmt = self.gs, self.fmt
+        gs, fmt, u = self.gs, self.fmt, self.u
         groups = kp // gs
         values = torch.empty(n, kp, dtype=w.dtype)
         deq = torch.empty(n, kp, dtype=w.dtype)
@@ -208,60 +237,73 @@ class _Problem:
             scales[:, 0], z = _weighted_search(w, self.cost, fmt)
             if zeros is not None:
                 zeros[:, 0] = z
+        squared_errors = 0.0
         for i1 in range(0, kp, self.block):
             i2 = min(i1 + self.block, kp)
-            w1 = w[:, i1:i2]  # a view: updated in place
-            u1 = self.u[i1:i2, i1:i2]
             err = torch.empty(n, i2 - i1, dtype=w.dtype)
-            for i in range(i2 - i1):
-                col = i1 + i
-                g = col // gs
-                if col % gs == 0:
-                    if search_per_group:
-                        s, z = _weighted_search(w1[:, i:i + gs], self.cost[col:col + gs], fmt)
-                        scales[:, g] = s
-                        if zeros is not None:
-                            zeros[:, g] = z
-                    s = scales[:, g].float()
-                    z = None if zeros is None else zeros[:, g].float()
-                v, d = _quantize_column(w1[:, i], s, z, fmt)
-                values[:, col], deq[:, col] = v, d
-                e = (w1[:, i] - d) / u1[i, i]
-                w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
-                err[:, i] = e
+            for j1 in range(i1, i2, self.inner):
+                j2 = min(j1 + self.inner, i2)
+                w1 = w[:, j1:j2]  # a view: updated in place
+                u1 = u[j1:j2, j1:j2]
+                for i in range(j2 - j1):
+                    col = j1 + i
+                    if col % gs == 0:
+                        g = col // gs
+                        if search_per_group:
+                            s, z = _weighted_search(w[:, col:col + gs], self.cost[col:col + gs], fmt)
+                            scales[:, g] = s
+                            if zeros is not None:
+                                zeros[:, g] = z
+                        s = scales[:, g].to(w.dtype)
+                        z = None if zeros is None else zeros[:, g].to(w.dtype)
+                    v, d = _quantize_column(w1[:, i], s, z, fmt)
+                    values[:, col], deq[:, col] = v, d
+                    e = (w1[:, i] - d) / u1[i, i]
+                    w1[:, i:].addr_(e, u1[i, i:], alpha=-1)
+                    err[:, col - i1] = e
+                if j2 < i2:
+                    w[:, j2:i2].addmm_(err[:, j1 - i1:j2 - i1], u[j1:j2, j2:i2], alpha=-1)
             if i2 < kp:
-                w[:, i2:].addmm_(err, self.u[i1:i2, i2:], alpha=-1)
+                w[:, i2:].addmm_(err, u[i1:i2, i2:], alpha=-1)
+            squared_errors += float((err * err).sum(dtype=torch.float64))
         return _Solution(_codes_of(values, fmt), scales.clone(), None if zeros is None else zeros.clone(),
-                         self.loss_of(deq))
+                         self.gptq_loss(squared_errors, deq))
 
     def refit_scales(self, sol: _Solution) -> _Solution:
         """Least-squares group scales (and zeros) for fixed codes on the full objective."""
         n, kp = self.w.shape
         gs, groups = self.gs, kp // self.gs
         uint4 = sol.zeros is not None
-        values = formats.code_values(sol.codes, self.fmt)  # q for uint4
-        hw = self.w.double() @ self.h
+        # uint4: w = s (q - z) = s (q - 8) + c per group, with c = s (8 - z): centered codes keep
+        # the two terms from cancelling (and the float32 products accurate).
+        values = formats.code_values(sol.codes, self.fmt).to(self.w.dtype)
+        if uint4:
+            values -= formats.INT4_OFFSET
+        hw = self.w @ self.h
         hg = self.h.view(kp, groups, gs)
         # c-terms (uint4): sum of H over each pair of groups, and H summed over l in group h.
         h_row_groups = hg.sum(-1)  # [Kp, G]: sum_{l in h} H[k, l]
         h_groups = h_row_groups.view(groups, gs, groups).sum(1)  # [G, G]
         scales = sol.scales.clone()
         zeros = None if sol.zeros is None else sol.zeros.clone()
+        loss = 0.0
         rows = max(1, _REFIT_CHUNK_ELEMENTS // (kp * groups))
         for r0 in range(0, n, rows):
-            v = values[r0:r0 + rows].double()  # [R, Kp]
+            v = values[r0:r0 + rows]  # [R, Kp]
             r = v.shape[0]
             vg = v.view(r, groups, gs)
             # t[r, k, h] = sum_{l in h} H[k, l] v[r, l]
             t = torch.einsum("rhl,khl->rkh", vg, hg)
-            a = torch.einsum("rgk,rgkh->rgh", vg, t.view(r, groups, gs, groups))  # [R, G, G]
-            rhs = (vg * hw[r0:r0 + rows].view(r, groups, gs)).sum(-1)  # [R, G]
+            # The products in the working dtype, the small [G, G] solves in float64.
+            a = torch.einsum("rgk,rgkh->rgh", vg, t.view(r, groups, gs, groups)).double()  # [R, G, G]
+            rhs = (vg * hw[r0:r0 + rows].view(r, groups, gs)).sum(-1).double()  # [R, G]
             old_s = sol.scales[r0:r0 + rows].double()
             if uint4:
-                b = torch.einsum("rgk,gkh->rgh", vg, h_row_groups.view(groups, gs, groups))  # [R, G(a), G(c)]
-                a = torch.cat([torch.cat([a, b], 2), torch.cat([b.transpose(1, 2), h_groups.expand(r, -1, -1)], 2)], 1)
-                rhs = torch.cat([rhs, hw[r0:r0 + rows].view(r, groups, gs).sum(-1)], 1)
-                old = torch.cat([old_s, -sol.zeros[r0:r0 + rows].double() * old_s], 1)
+                b = torch.einsum("rgk,gkh->rgh", vg, h_row_groups.view(groups, gs, groups)).double()
+                corner = h_groups.double().expand(r, -1, -1)
+                a = torch.cat([torch.cat([a, b], 2), torch.cat([b.transpose(1, 2), corner], 2)], 1)
+                rhs = torch.cat([rhs, hw[r0:r0 + rows].view(r, groups, gs).sum(-1).double()], 1)
+                old = torch.cat([old_s, (formats.INT4_OFFSET - sol.zeros[r0:r0 + rows].double()) * old_s], 1)
             else:
                 old = old_s
             # A small ridge toward the current values keeps groups without information
@@ -272,12 +314,17 @@ class _Problem:
             new_s = x[:, :groups]
             ok = torch.isfinite(new_s) & (new_s > 0)
             scales[r0:r0 + rows] = torch.where(ok, _to_fp16_scale(new_s.float()), sol.scales[r0:r0 + rows])
+            s16 = scales[r0:r0 + rows].double()
+            stored = s16
             if uint4:
-                s16 = scales[r0:r0 + rows].double()
-                new_z = (-x[:, groups:] / s16).clamp(-65504, 65504)
+                new_z = (formats.INT4_OFFSET - x[:, groups:] / s16).clamp(-65504, 65504)
                 zeros[r0:r0 + rows] = torch.where(ok & torch.isfinite(new_z), new_z.half(), sol.zeros[r0:r0 + rows])
-        deq = _dequantize(sol.codes, scales, zeros, self.fmt, gs)
-        return _Solution(sol.codes, scales, zeros, self.loss_of(deq))
+                stored = torch.cat([s16, (formats.INT4_OFFSET - zeros[r0:r0 + rows].double()) * s16], 1)
+            # The objective of the values as stored (fp16), per row: w'Hw - 2 x'r + x'Ax.
+            whw = (hw[r0:r0 + rows] * self.w[r0:r0 + rows]).sum(-1).double()
+            quadratic = (stored.unsqueeze(1) @ a @ stored.unsqueeze(-1)).view(-1)
+            loss += float((whw - 2 * (stored * rhs).sum(-1) + quadratic).sum())
+        return _Solution(sol.codes, scales, zeros, loss)
 
 
 def _dequantize(codes, scales, zeros, weight_format, group_size) -> torch.Tensor:
@@ -304,9 +351,14 @@ def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.
 
 def _codes_of(values: torch.Tensor, weight_format: str) -> torch.Tensor:
     """uint8 codes of exact code values (q for uint4)."""
-    if weight_format == "fp4":
-        return _round_codes(values, weight_format)
-    return (values + (formats.INT4_OFFSET if weight_format == "int4" else 0)).to(torch.uint8)
+    if weight_format != "fp4":
+        return (values + (formats.INT4_OFFSET if weight_format == "int4" else 0)).to(torch.uint8)
+    # E2M1 magnitude m = mantissa * 2^exponent (frexp): 0, 0.5 -> codes 0, 1; from 1 up,
+    # 2 * exponent, plus 1 when the mantissa is 0.75 (1.5, 3, 6).
+    magnitude = values.abs()
+    mantissa, exponent = torch.frexp(magnitude)
+    code = torch.where(magnitude < 1, magnitude * 2, 2 * exponent + (mantissa == 0.75)).to(torch.uint8)
+    return code | ((values < 0).to(torch.uint8) << 3)
 
 
 def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str):
@@ -362,14 +414,6 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
     return best_s, best_z
 
 
-def _relative_weight_error(weight: torch.Tensor, q: QuantizedWeight, perm: Optional[torch.Tensor]) -> float:
-    w = weight.detach().to(device="cpu", dtype=torch.float64)
-    if perm is not None:
-        w = w[:, perm]
-    norm = float(w.norm())
-    return float((w - q.dequantize(torch.float64)).norm()) / norm if norm > 0 else 0.0
-
-
 # --- modules and models ------------------------------------------------------------------
 
 def gptq_linear(linear, weight_format: str = "fp4", group_size: int = 128, hessian: torch.Tensor = None,
@@ -409,18 +453,23 @@ def quantize_model_gptq(model, targets, report, weight_format: str, group_size: 
                         refine_rounds: int = DEFAULT_REFINE_ROUNDS) -> None:
     """quantize_model(method="gptq"): sequential GPTQ of `targets` ({name: nn.Linear}), filling `report`."""
     import time
+    import warnings
 
     from .calibration import quantize_sequentially
     from .linear import MarlinLinear
     from .quantize import quantize_weight
 
+    check_options(weight_format, group_size, act_order, damp, block_size, refine_rounds)
     start = time.perf_counter()
 
     def quantize_layer(name, linear, hessian):
         quantized = gptq_linear(linear, weight_format, group_size, hessian, act_order, damp, block_size,
                                 refine_rounds)
+        if quantized.damp > damp:
+            warnings.warn(f"layer {name!r}: its Hessian needed damp={quantized.damp:g} (asked {damp:g}) "
+                          f"to be positive definite; more or more varied calibration data helps", stacklevel=4)
         rtn = quantize_weight(linear.weight.detach(), weight_format, group_size, "mse")
-        report.output_errors[name] = (output_error(linear.weight, rtn.dequantize(), hessian),
+        report.output_errors[name] = (output_error(linear.weight, rtn.dequantize(), hessian.float()),
                                       quantized.output_error)
         report.record(name, linear, quantized)
         return quantized

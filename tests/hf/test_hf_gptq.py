@@ -172,3 +172,40 @@ def test_minilm_gptq_beats_round_to_nearest(weight_format, group_size, min_mean)
     print({k: f"{float(v.mean()):.4f}" for k, v in cosines.items()})
     assert cosines["gptq"].mean() > min_mean
     assert cosines["gptq"].mean() > cosines["mse"].mean() + 0.008
+
+
+def tiny_bert():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64)
+    return transformers.BertModel(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert"])
+def test_block_by_block_equals_running_the_whole_model(monkeypatch, arch):
+    """Transformer stacks are calibrated block by block on kept block inputs; that must give
+    exactly what running the whole model for every step gives."""
+    from hf_helpers import build_tiny_model
+    from torch_marlin import calibration as engine
+
+    make = tiny_bert if arch == "bert" else (lambda: build_tiny_model("llama"))
+    ids = torch.randint(0, VOCAB, (8, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[4:, 10:] = 0
+    batches = [{"input_ids": ids[i:i + 2], "attention_mask": mask[i:i + 2]} for i in range(0, 8, 2)]
+    original = engine.quantize_sequentially
+    states, modes = [], []
+    for use_blocks in (True, False):
+        def spy(*args, use_blocks=use_blocks, **kwargs):
+            stats = original(*args, use_blocks=use_blocks, **kwargs)
+            modes.append(stats.blocks)
+            return stats
+        monkeypatch.setattr(engine, "quantize_sequentially", spy)
+        model = make()
+        torch_marlin.quantize_model(model, "uint4", 32, method="gptq", calibration=batches, exclude=["lm_head"],
+                                    act_order=True)
+        states.append(model.state_dict())
+    assert modes == ["encoder.layer" if arch == "bert" else "model.layers", None]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        assert torch.equal(states[0][key], states[1][key]), key
