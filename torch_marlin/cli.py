@@ -67,6 +67,8 @@ def _add_calibration_arguments(conv) -> None:
     group.add_argument("--damp", type=float, default=0.01,
                        help="Hessian damping, relative to its mean diagonal (default 0.01)")
     group.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block size (default 128)")
+    group.add_argument("--calibration-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype the float model runs in during calibration (bfloat16: half the memory)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -120,7 +122,7 @@ def _convert_calibrated(args) -> int:
             batch_size=args.calibration_batch_size, seed=args.seed, act_order=args.act_order, damp=args.damp,
             block_size=args.block_size, exclude=args.exclude, dtype=args.dtype,
             quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
-            max_shard_bytes=args.max_shard_size * 2 ** 20)
+            max_shard_bytes=args.max_shard_size * 2 ** 20, calibration_dtype=args.calibration_dtype)
     except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR

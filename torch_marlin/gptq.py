@@ -68,7 +68,7 @@ def check_hessian(hessian, in_features: int, name: str = "hessian") -> torch.Ten
         raise ValueError(f"{name} contains NaN or Inf")
     if (torch.diagonal(h) < 0).any():
         raise ValueError(f"{name} has negative diagonal entries: not a Hessian X^T X of inputs")
-    return (h + h.t()) / 2
+    return (h + h.t()).mul_(0.5)
 
 
 def check_options(weight_format: str, group_size: int, act_order: bool = False, damp: float = DEFAULT_DAMP,
@@ -96,9 +96,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
         raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
     n, k = weight.shape
     h = check_hessian(hessian, k)
-    w = weight.detach().to(device="cpu", dtype=torch.float64)
+    w = weight.detach().to(device="cpu", dtype=torch.float32)
     if not torch.isfinite(w).all():
-        raise ValueError("weight contains NaN or Inf")
+        raise ValueError("weight contains NaN or Inf (in float32)")
 
     perm = None
     if act_order:
@@ -106,13 +106,13 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
         w, h = w[:, perm], h[perm][:, perm]
     kp = formats.padded_in_features(k, group_size)
     gs = formats.effective_group_size(kp, group_size)
-    # Padded columns: zero weights, zero inputs.
-    w = torch.nn.functional.pad(w, (0, kp - k))
-    h = torch.nn.functional.pad(h, (0, kp - k, 0, kp - k))
+    if kp != k:  # padded columns: zero weights, zero inputs
+        w = torch.nn.functional.pad(w, (0, kp - k))
+        h = torch.nn.functional.pad(h, (0, kp - k, 0, kp - k))
     u, used_damp, added = _inverse_cholesky(h, damp)
     cost = torch.diagonal(u).pow(-2).float()  # GPTQ's cost per unit squared error of each column
     cost[k:] = 0  # padding meets zero inputs
-    problem = _Problem(w.float(), h, u, cost, weight_format, gs, block_size, added)
+    problem = _Problem(w, h, u, cost, weight_format, gs, block_size, added)
     del h, u
 
     best = problem.run(None)
@@ -133,7 +133,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
     deq = _dequantize(best.codes, best.scales, best.zeros, weight_format, gs)
     norm = float(problem.w.norm())
     q.relative_error = float((problem.w - deq).norm()) / norm if norm > 0 else 0.0
-    reference = problem.loss_of(torch.zeros_like(problem.w))
+    reference = float((problem.hw * problem.w).sum(dtype=torch.float64))  # tr(W H W^T)
     rel_out = math.sqrt(best.loss / reference) if reference > 0 else 0.0
     return GPTQResult(q, None if perm is None else perm.to(torch.int32), rel_out, used_damp)
 
@@ -200,6 +200,7 @@ class _Problem:
     def __init__(self, w, h, u, cost, weight_format, group_size, block, added):
         self.w, self.h, self.u = w, h.to(w.dtype), u.to(w.dtype)
         self.added = added.to(w.dtype)  # what the damping added to diag(H)
+        self._hw = None
         self.cost = cost  # float32 [Kp]
         self.fmt, self.gs = weight_format, group_size
         self.block = _block_columns(block, group_size, w.shape[1])
@@ -207,6 +208,13 @@ class _Problem:
         # a divisor or a multiple of the group size, so each group's search sees every update.
         self.inner = min(_INNER_BLOCK, self.block) if group_size % _INNER_BLOCK == 0 or group_size > self.block \
             else group_size
+
+    @property
+    def hw(self) -> torch.Tensor:
+        """w @ H [N, Kp], computed once."""
+        if self._hw is None:
+            self._hw = self.w @ self.h
+        return self._hw
 
     def loss_of(self, dequantized: torch.Tensor) -> float:
         """tr(E H E^T), E = w - dequantized: one [N, K] x [K, K] product."""
@@ -279,7 +287,7 @@ class _Problem:
         values = formats.code_values(sol.codes, self.fmt).to(self.w.dtype)
         if uint4:
             values -= formats.INT4_OFFSET
-        hw = self.w @ self.h
+        hw = self.hw
         hg = self.h.view(kp, groups, gs)
         # c-terms (uint4): sum of H over each pair of groups, and H summed over l in group h.
         h_row_groups = hg.sum(-1)  # [Kp, G]: sum_{l in h} H[k, l]

@@ -65,16 +65,16 @@ def write_jsonl(path, texts):
     return str(path)
 
 
-@pytest.mark.parametrize("arch,weight_format,group_size,act_order", [
-    ("llama", "int4", 32, True), ("gpt2", "fp4", 64, False)])
+@pytest.mark.parametrize("arch,weight_format,group_size,act_order,extra", [
+    ("llama", "int4", 32, True, []), ("gpt2", "fp4", 64, False, ["--calibration-dtype", "bfloat16"])])
 def test_cli_gptq_writes_an_ordinary_checkpoint(model_with_tokenizer, tmp_path, capsys, arch, weight_format,
-                                                group_size, act_order):
+                                                group_size, act_order, extra):
     src = model_with_tokenizer(arch)
     data = write_jsonl(tmp_path / "cal.jsonl", TEXTS * 3)
     dst = str(tmp_path / "gptq")
     argv = ["convert", src, dst, "--method", "gptq", "--calibration", data, "--calibration-samples", "24",
             "--calibration-length", "16", "--format", weight_format, "--group-size", str(group_size)]
-    assert cli_main(argv + (["--act-order"] if act_order else [])) == 0
+    assert cli_main(argv + extra + (["--act-order"] if act_order else [])) == 0
     out = capsys.readouterr().out
     assert "GPTQ:" in out and "24 calibration samples" in out and "round to nearest" in out
 

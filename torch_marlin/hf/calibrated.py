@@ -1,7 +1,7 @@
 """`torch-marlin convert SRC DST --method gptq --calibration FILE`: calibrated conversion.
 
 Unlike the streaming converter, GPTQ needs the model running: the float model
-is loaded with transformers (in float32, on the CPU), the calibration text is
+is loaded with transformers (in float32 or bfloat16, on the CPU), the calibration text is
 tokenized with the model's own tokenizer, `quantize_model(method="gptq")`
 quantizes the linear layers in forward order, and the result is written as an
 ordinary torch_marlin checkpoint (the same `quantization_config`, loaded by
@@ -159,9 +159,11 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                              damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
                              exclude: Sequence[str] = (), dtype: Optional[str] = None,
                              quantize_lm_head: bool = False, overwrite: bool = False,
-                             max_shard_bytes: int = 2 * 2 ** 30) -> CalibratedConversion:
+                             max_shard_bytes: int = 2 * 2 ** 30,
+                             calibration_dtype: str = "float32") -> CalibratedConversion:
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
-    write a torch_marlin checkpoint to `dst` (see the module docstring)."""
+    write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
+    in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact)."""
     from ..convert import _copy_other_files, _replace_directory, _umask  # shared with the streaming converter
 
     start = time.time()
@@ -169,6 +171,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     formats.check_group_size(group_size)
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    if calibration_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"calibration_dtype must be 'float32' or 'bfloat16', got {calibration_dtype!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
     for name, value in (("src", src), ("dst", dst)):
@@ -195,7 +199,7 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     if n_samples < samples:
         notes.append(f"the calibration file gave {n_samples} samples (fewer than the {samples} asked for)")
 
-    model, source_dtype = _load_float_model(src, transformers)
+    model, source_dtype = _load_float_model(src, transformers, _DTYPES[calibration_dtype])
     targets, layers_in_float = _choose_layers(model, exclude, quantize_lm_head)
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
@@ -211,7 +215,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
         if getattr(layer, "input_perm", None) is not None:
             modules[name]["act_order"] = True
     description = {"method": "float", "quantizer": "gptq", "act_order": bool(act_order), "damp": damp,
-                   "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens}
+                   "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens,
+                   "calibration_dtype": calibration_dtype}
     config = build_quantization_config(_Described(description), modules, layers_in_float)
     model.config.quantization_config = config
     model.config.dtype = str(out_dtype).replace("torch.", "")
@@ -243,7 +248,7 @@ class _Described:
         return self.source
 
 
-def _load_float_model(src: str, transformers):
+def _load_float_model(src: str, transformers, run_dtype: torch.dtype):
     with open(os.path.join(src, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
     if config.get("quantization_config"):
@@ -252,7 +257,7 @@ def _load_float_model(src: str, transformers):
     model_class = next((getattr(transformers, a) for a in config.get("architectures") or []
                         if hasattr(transformers, a)), transformers.AutoModel)
     source_dtype = _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
-    model = model_class.from_pretrained(src, dtype=torch.float32, local_files_only=True)
+    model = model_class.from_pretrained(src, dtype=run_dtype, local_files_only=True)
     return model.eval(), source_dtype
 
 
