@@ -83,7 +83,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _convert(args) -> int:
     from .convert import convert
-    from .hf.safetensors_io import CheckpointError
 
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be a positive number of MiB", file=sys.stderr)
@@ -93,36 +92,24 @@ def _convert(args) -> int:
         return _EXIT_USAGE
     if args.method == "gptq":
         return _convert_calibrated(args)
-    try:
+
+    def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # notes are repeated in the summary
-            summary = convert(args.src, args.dst, weight_format=args.weight_format, group_size=args.group_size,
-                              exclude=args.exclude, dtype=args.dtype, quantizer=args.quantizer,
-                              overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                              quantize_lm_head=args.quantize_lm_head,
-                              max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress)
-    except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return _EXIT_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: nothing was written to the destination", file=sys.stderr)
-        return 130
-    print(summary)
-    return _EXIT_OK
+            return convert(args.src, args.dst, weight_format=args.weight_format, group_size=args.group_size,
+                           exclude=args.exclude, dtype=args.dtype, quantizer=args.quantizer,
+                           overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                           quantize_lm_head=args.quantize_lm_head,
+                           max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress)
+    return _report(run)
 
 
-def _convert_calibrated(args) -> int:
-    from .hf.calibrated import convert_with_calibration
+def _report(run) -> int:
+    """Print what run() returns, or the error; the exit status."""
     from .hf.safetensors_io import CheckpointError
 
     try:
-        result = convert_with_calibration(
-            args.src, args.dst, args.calibration, weight_format=args.weight_format, group_size=args.group_size,
-            samples=args.calibration_samples, length=args.calibration_length,
-            batch_size=args.calibration_batch_size, seed=args.seed, act_order=args.act_order, damp=args.damp,
-            block_size=args.block_size, exclude=args.exclude, dtype=args.dtype,
-            quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
-            max_shard_bytes=args.max_shard_size * 2 ** 20, calibration_dtype=args.calibration_dtype)
+        result = run()
     except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR
@@ -131,6 +118,17 @@ def _convert_calibrated(args) -> int:
         return 130
     print(result)
     return _EXIT_OK
+
+
+def _convert_calibrated(args) -> int:
+    from .hf.calibrated import convert_with_calibration
+
+    return _report(lambda: convert_with_calibration(
+        args.src, args.dst, args.calibration, weight_format=args.weight_format, group_size=args.group_size,
+        samples=args.calibration_samples, length=args.calibration_length, batch_size=args.calibration_batch_size,
+        seed=args.seed, act_order=args.act_order, damp=args.damp, block_size=args.block_size,
+        exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_size * 2 ** 20, calibration_dtype=args.calibration_dtype))
 
 
 if __name__ == "__main__":

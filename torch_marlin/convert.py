@@ -92,14 +92,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"quantizer must be one of {quantizer_names()}, got {quantizer!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
-    for name, value in (("src", src), ("dst", dst)):
-        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise ValueError(f"{name} must be a directory path, got {value!r}")
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    if dst == src or dst.startswith(src + os.sep):
-        raise ValueError(f"dst must not be src or inside it: {dst}")
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    src, dst = check_paths(src, dst, overwrite)
     start = time.time()
     source = SourceCheckpoint(src, allow_pickle=allow_pickle)
     method, source_config = source_quantization(source)
@@ -145,6 +138,19 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     result.seconds = time.time() - start
     result.output = dst
     return result
+
+
+def check_paths(src, dst, overwrite: bool):
+    """Absolute (src, dst) directory paths; dst must not be inside src, nor exist unless overwrite."""
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise ValueError(f"{name} must be a directory path, got {value!r}")
+    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    if dst == src or dst.startswith(src + os.sep):
+        raise ValueError(f"dst must not be src or inside it: {dst}")
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    return src, dst
 
 
 def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer: ShardedWriter,

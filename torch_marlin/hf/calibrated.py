@@ -39,7 +39,6 @@ from .safetensors_io import CheckpointError
 DEFAULT_SAMPLES = 128
 DEFAULT_LENGTH = 512
 DEFAULT_BATCH_SIZE = 8
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 @dataclass
@@ -164,27 +163,21 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
     write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact)."""
-    from ..convert import _copy_other_files, _replace_directory, _umask  # shared with the streaming converter
+    # Shared with the streaming converter.
+    from ..convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_paths
 
     start = time.time()
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or None, got {dtype!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
     if calibration_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"calibration_dtype must be 'float32' or 'bfloat16', got {calibration_dtype!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
-    for name, value in (("src", src), ("dst", dst)):
-        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise ValueError(f"{name} must be a directory path, got {value!r}")
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
+    src, dst = check_paths(src, dst, overwrite)
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"{src} is not a model directory (no config.json)")
-    if dst == src or dst.startswith(src + os.sep):
-        raise ValueError(f"dst must not be src or inside it: {dst}")
-    if os.path.exists(dst) and not overwrite:
-        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     texts = read_calibration_texts(calibration)
 
     import transformers
@@ -199,13 +192,13 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     if n_samples < samples:
         notes.append(f"the calibration file gave {n_samples} samples (fewer than the {samples} asked for)")
 
-    model, source_dtype = _load_float_model(src, transformers, _DTYPES[calibration_dtype])
+    model, source_dtype = _load_float_model(src, transformers, DTYPES[calibration_dtype])
     targets, layers_in_float = _choose_layers(model, exclude, quantize_lm_head)
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
     report = quantize_model(model, weight_format, group_size, include=targets, method="gptq",
                             calibration=batches, act_order=act_order, damp=damp, block_size=block_size)
-    out_dtype = _DTYPES[dtype] if dtype is not None else source_dtype
+    out_dtype = DTYPES[dtype] if dtype is not None else source_dtype
     model.to(out_dtype)  # layers in float back to the source's dtype; scales stay fp16
     modules = {}
     for name in report.replaced:
@@ -256,7 +249,9 @@ def _load_float_model(src: str, transformers, run_dtype: torch.dtype):
         raise CheckpointError(f"{src} is already quantized ({method}); --method gptq needs a float model")
     model_class = next((getattr(transformers, a) for a in config.get("architectures") or []
                         if hasattr(transformers, a)), transformers.AutoModel)
-    source_dtype = _DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
+    from ..convert import DTYPES
+
+    source_dtype = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
     model = model_class.from_pretrained(src, dtype=run_dtype, local_files_only=True)
     return model.eval(), source_dtype
 
