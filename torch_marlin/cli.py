@@ -12,16 +12,20 @@ import warnings
 from typing import List, Optional
 
 from .formats import GROUP_SIZES, WEIGHT_FORMATS
+from .quantize import quantizer_names
 
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE = 0, 1, 2
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .hf.importers import supported_sources
+
     parser = argparse.ArgumentParser(prog="torch-marlin", description="torch_marlin tools")
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="convert a Hugging Face model directory to torch_marlin",
-                          description="Quantize a float model, or repack a GPTQ / AWQ / compressed-tensors / "
-                                      "MXFP4 / NVFP4 one, into a torch_marlin checkpoint directory.")
+                          description="Quantize a float model, or repack a quantized one ("
+                                      + ", ".join(supported_sources())
+                                      + "), into a torch_marlin checkpoint directory.")
     conv.add_argument("src", help="source model directory (config.json + safetensors)")
     conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS,
@@ -32,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="glob on module names to keep in float (repeatable), e.g. '*.mlp.down_proj'")
     conv.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                       help="cast the tensors left in float (default: keep the source dtype)")
-    conv.add_argument("--quantizer", default="mse", help="quantizer for float sources (mse, absmax)")
+    conv.add_argument("--quantizer", default="mse", choices=quantizer_names(),
+                      help="quantizer for float sources (default mse)")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
@@ -56,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _convert(args) -> int:
     from .convert import convert
-    from .hf.safetensors_io import CheckpointError
+    from .hf.errors import CheckpointError
 
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be a positive number of MiB", file=sys.stderr)

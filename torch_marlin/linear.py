@@ -15,6 +15,23 @@ from .quantize import QuantizedWeight, quantize_weight
 _FP16_BUFFERS = ("scales", "zeros")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2 family): a linear layer that stores its weight as [in, out]."""
+    cls = type(module)
+    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
+
+
+def is_float_linear(module: nn.Module) -> bool:
+    """A float linear layer MarlinLinear can replace: nn.Linear or Conv1D, exactly
+    (subclasses may carry behaviour that replacing them would drop)."""
+    return type(module) is nn.Linear or is_conv1d(module)
+
+
+def linear_weight(weight: torch.Tensor, conv1d: bool = False) -> torch.Tensor:
+    """A linear layer's stored weight as the nn.Linear convention W [out, in]."""
+    return weight.t() if conv1d else weight
+
+
 class MarlinLinear(nn.Module):
     """y = x @ W^T + b with W stored as packed 4-bit codes plus group scales.
 
@@ -65,12 +82,17 @@ class MarlinLinear(nn.Module):
         return module
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, weight_format: str = "fp4", group_size: int = 128,
+    def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                     method: str = "mse") -> "MarlinLinear":
-        """Quantize an nn.Linear (on any device; the result stays on that device)."""
-        if not isinstance(linear, nn.Linear):
+        """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
+        stays on that device. This is the one path every float linear weight takes
+        (quantize_model, quantize-on-load)."""
+        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        qweight = quantize_weight(linear.weight.detach(), weight_format, group_size, method)
+        if linear.weight.device.type == "meta":
+            raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
+        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+        qweight = quantize_weight(weight, weight_format, group_size, method)
         bias = None if linear.bias is None else linear.bias.detach().cpu()
         module = cls.from_quantized(qweight, bias)
         module.quantization_error = qweight.relative_error
@@ -134,6 +156,19 @@ class MarlinLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight_format={self.weight_format}, "
                 f"group_size={self.group_size}, bits_per_weight={bits:.2f}")
+
+
+class PermutedInputMarlinLinear(MarlinLinear):
+    """MarlinLinear whose K rows were reordered (GPTQ / compressed-tensors act-order):
+    groups are contiguous after the permutation, so the input is permuted the same way."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
+                 group_size: int = 128, device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
+        self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.index_select(-1, self.input_perm.to(torch.long)))
 
 
 def quantized_linear(x: torch.Tensor, qweight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -17,13 +17,12 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from . import formats
-from .formats import E2M1_VALUES, INT4_OFFSET
+from .formats import E2M1_VALUES, FP16_MAX, INT4_OFFSET
 
 # Rows of N quantized at once: bounds the search's temporary memory.
 _ROW_CHUNK_ELEMENTS = 1 << 20
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _REFIT_ROUNDS = 2
-_FP16_MAX = 65504.0
 _FP16_TINY = 2.0 ** -14  # smallest normal fp16: keeps w / scale finite
 
 
@@ -101,7 +100,7 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
     gs = formats.effective_group_size(kp, group_size)
     codes = torch.empty(n, kp, dtype=torch.uint8)
     scales = torch.empty(n, kp // gs, dtype=torch.float16)
-    zeros = torch.empty_like(scales) if weight_format == "uint4" else None
+    zeros = torch.empty_like(scales) if formats.has_zeros(weight_format) else None
     err2 = norm2 = 0.0
     # Row blocks of ~1M weights, converted to float32 one at a time: memory
     # beyond the weight is its uint8 codes plus one block's scratch.
@@ -122,6 +121,15 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
                                    weight_format, group_size, in_features=k, out_features=n)
     q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
     return q
+
+
+def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
+    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
+
+    The name of the design notes; `quantize_weight` is the general form.
+    """
+    q = quantize_weight(weight, "fp4", group_size)
+    return q.packed, q.scales
 
 
 # --- per-format rounding -------------------------------------------------------------
@@ -148,7 +156,7 @@ def _reconstruct(codes, scales, zeros, weight_format):
 
 
 def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
-    return s.clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)
+    return s.clamp(_FP16_TINY, FP16_MAX).to(torch.float16)
 
 
 # The search evaluates ~40 candidate (scale, zero) pairs per group. It keeps only
@@ -236,7 +244,7 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
             ok = (var > 0) & (a > _FP16_TINY)
             new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
             b = w_mean - a * q_mean
-            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-_FP16_MAX, _FP16_MAX)
+            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-FP16_MAX, FP16_MAX)
             scale, zero = new_scale, new_zero.to(torch.float16)
     scale, zero = best[1], best[2]
     codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
@@ -245,7 +253,7 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
 
 def _rtn(search: bool) -> Quantizer:
     def quantize(groups, weight_format, group_size):
-        if weight_format == "uint4":
+        if formats.has_zeros(weight_format):
             return _asymmetric(groups, weight_format, search)
         return _symmetric(groups, weight_format, search)
     return quantize

@@ -16,7 +16,7 @@ import torch
 from hf_helpers import E2M1, check_imported, read_config, write_quantized_model
 from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
-from torch_marlin.hf.safetensors_io import CheckpointError
+from torch_marlin.hf.errors import CheckpointError
 
 _MAGNITUDES = torch.tensor(E2M1[:8], dtype=torch.float64)
 

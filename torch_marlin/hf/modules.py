@@ -4,26 +4,12 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, List, Optional
 
-import torch
 from torch import nn
 
-from ..linear import MarlinLinear
-from ..quantize import quantize_weight
-from .layout import LinearSpec, layout_of_model, matches_any
-from .safetensors_io import CheckpointError
-
-
-class PermutedInputMarlinLinear(MarlinLinear):
-    """MarlinLinear whose K rows were reordered (GPTQ / compressed-tensors act-order):
-    groups are contiguous after the permutation, so the input is permuted the same way."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
-                 group_size: int = 128, device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
-        self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.index_select(-1, self.input_perm.to(torch.long)))
+from ..linear import MarlinLinear, PermutedInputMarlinLinear
+from ..model import quantize_model
+from .errors import CheckpointError
+from .layout import LinearSpec, layout_of_model
 
 
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
@@ -63,26 +49,14 @@ def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
 
 def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: int, quantizer: str = "mse",
                             skip: Iterable[str] = ()) -> Dict[str, dict]:
-    """Quantize loaded nn.Linear / Conv1D layers in place (quantize-on-load);
+    """Quantize loaded linear layers in place (quantize-on-load) with quantize_model;
     returns the `modules` table for the config."""
-    layout = layout_of_model(model)
-    skip = list(skip)
+    report = quantize_model(model, weight_format, group_size, exclude=list(skip), method=quantizer)
     table = {}
-    for name, spec in layout.linears.items():
-        if name in layout.tied or matches_any(name, skip):
-            continue
-        old = model.get_submodule(name)
-        weight = old.weight.detach()
-        if weight.device.type == "meta":
-            raise CheckpointError(f"{name}.weight was not loaded; cannot quantize it")
-        if spec.kind == "conv1d":
-            weight = weight.t()
-        q = quantize_weight(weight, weight_format, group_size, quantizer)
-        bias = None if old.bias is None else old.bias.detach().cpu()
-        new = MarlinLinear.from_quantized(q, bias).to(old.weight.device)
-        model.set_submodule(name, new)
+    for name in report.replaced:
+        q = model.get_submodule(name)
         table[name] = {"weight_format": weight_format, "group_size": group_size,
-                       "in_features": spec.in_features, "out_features": spec.out_features}
+                       "in_features": q.in_features, "out_features": q.out_features}
     return table
 
 

@@ -17,9 +17,9 @@ from typing import Dict, Optional
 
 import torch
 
-from ..safetensors_io import CheckpointError
-from .base import (ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, act_order_permutation,
-                   codes_to_layer, unpack_int32_cols, unpack_int32_rows)
+from ...formats import unpack_codes
+from ..errors import CheckpointError, UnsupportedQuantization
+from .base import ConvertedLayer, Importer, LayerPlan, act_order_permutation, codes_to_layer, unpack_int32_cols
 from .fp4 import NVFP4Source
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -34,6 +34,9 @@ def _target_matches(target: str, module: str) -> bool:
 
 @dataclass
 class CompressedTensorsSource(Importer):
+    QUANT_METHODS = ("compressed-tensors",)
+    LABEL = "compressed-tensors"
+
     config: dict = field(default_factory=dict)
     method: str = "compressed-tensors"
 
@@ -129,7 +132,7 @@ class CompressedTensorsSource(Importer):
         dtype = self.source.dtype(key)
         if dtype == torch.int32:  # packed along N: [ceil(N/8), G]
             zp = self.require(key, torch.int32, (-(-n // 8), groups))
-            return unpack_int32_rows(zp)[:n].t().to(torch.float32)
+            return unpack_codes(zp)[:n].t().to(torch.float32)
         zp = self.require(key, (torch.int8, torch.int16, torch.int64) + _FLOAT_DTYPES, (n, groups))
         return zp.t().to(torch.float32) + 8  # unpacked signed zero points
 

@@ -21,8 +21,8 @@ from typing import Dict
 import torch
 
 from ...quantize import QuantizedWeight
-from ..safetensors_io import CheckpointError
-from .base import ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, unpack_uint8_pairs
+from ..errors import CheckpointError, UnsupportedQuantization
+from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
 
 E8M0_NAN = 255
 
@@ -38,6 +38,9 @@ def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) 
 
 @dataclass
 class MXFP4Source(Importer):
+    QUANT_METHODS = ("mxfp4",)
+    LABEL = "MXFP4"
+
     config: dict = field(default_factory=dict)
     method: str = "mxfp4"
 
@@ -73,6 +76,10 @@ class MXFP4Source(Importer):
 class NVFP4Source(Importer):
     """modelopt layout (`flavor="modelopt"`) or compressed-tensors (`flavor="compressed-tensors"`)."""
 
+    QUANT_METHODS = ("modelopt",)
+    SIDE_FILES = ("hf_quant_config.json",)  # modelopt's
+    LABEL = "modelopt (NVFP4)"
+
     config: dict = field(default_factory=dict)
     flavor: str = "modelopt"
     method: str = "nvfp4"
@@ -88,7 +95,17 @@ class NVFP4Source(Importer):
         group = int(self.config.get("group_size", 16) or 16)
         if group != 16:
             raise UnsupportedQuantization(f"NVFP4 group_size={group} is not supported (expected 16)")
-        self.dropped = []
+
+    @classmethod
+    def from_config(cls, source, method, config):
+        algo = str(config.get("quant_algo", "")).upper()
+        if algo != "NVFP4":
+            raise UnsupportedQuantization(f"modelopt quant_algo={algo!r} is not supported (only NVFP4)")
+        return cls(source, config=config, flavor="modelopt")
+
+    @classmethod
+    def config_from_side_file(cls, name, data):
+        return dict(data.get("quantization", data))
 
     def plan(self) -> Dict[str, LayerPlan]:
         # Activation scales only matter for FP4 activations; torch_marlin is weight-only.
