@@ -34,7 +34,10 @@ class BuildPyWithMetal(build_py):
 
 
 def sources():
-    files = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    # csrc/mps/*.cpp (the MPS ops' plan runner) builds everywhere; only the
+    # Objective-C++ encoder (*.mm) needs macOS.
+    files = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/core/*.cpp") + glob.glob("csrc/cpu/*.cpp")
+                   + glob.glob("csrc/mps/*.cpp"))
     if sys.platform == "darwin":
         files += sorted(glob.glob("csrc/mps/*.mm"))
     return files
@@ -42,7 +45,8 @@ def sources():
 
 def extension():
     cxx = ["-O3", "-std=c++20", "-fvisibility=hidden"]
-    include_dirs = [os.path.join(ROOT, "csrc")]
+    # metal/ holds marlin_common.h, the constants shared by host code and kernels.
+    include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "metal")]
     if sys.platform == "darwin":
         embed_metal_sources()
         include_dirs.append(GENERATED)

@@ -25,6 +25,7 @@ import time
 import torch
 
 import torch_marlin.ops  # noqa: F401
+from torch_marlin.formats import WEIGHT_FORMATS
 from torch_marlin.testing.metal import metal_plan
 
 SHAPES = {  # name: (N, K) of W^T = B [K, N]
@@ -173,7 +174,7 @@ def bench_device(fmt, gs, cache_bytes=256 << 20):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--format", default="fp4", choices=("fp4", "uint4", "int4"))
+    ap.add_argument("--format", default="fp4", choices=WEIGHT_FORMATS)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--plan-only", action="store_true", help="only the plan traffic report")
     args = ap.parse_args()

@@ -8,7 +8,7 @@
 
 using namespace metal;
 
-template <typename T, int F>
+template <typename T, WeightFormat F>
 [[kernel]] void marlin_dequant(const device uint* packed [[buffer(0)]],
                                const device half* scales [[buffer(1)]],
                                const device half* zeros [[buffer(2)]],
@@ -32,15 +32,8 @@ template <typename T, int F>
   }
 }
 
-#define MARLIN_INSTANTIATE_DEQUANT(fname, F, tname, T)                         \
-  template [[host_name("marlin_dequant_" fname "_" tname)]] [[kernel]] decltype( \
+#define MARLIN_DEQUANT(dt, T, Tname, fmt, F)                                        \
+  template [[host_name("marlin_dequant_" #fmt "_" #dt)]] [[kernel]] decltype( \
       marlin_dequant<T, F>) marlin_dequant<T, F>;
-
-#define MARLIN_INSTANTIATE_DEQUANT_ALL_T(fname, F)    \
-  MARLIN_INSTANTIATE_DEQUANT(fname, F, "f16", half)   \
-  MARLIN_INSTANTIATE_DEQUANT(fname, F, "bf16", bfloat) \
-  MARLIN_INSTANTIATE_DEQUANT(fname, F, "f32", float)
-
-MARLIN_INSTANTIATE_DEQUANT_ALL_T("fp4", kMarlinFp4)
-MARLIN_INSTANTIATE_DEQUANT_ALL_T("uint4", kMarlinUint4)
-MARLIN_INSTANTIATE_DEQUANT_ALL_T("int4", kMarlinInt4)
+#define MARLIN_DEQUANT_DTYPES(fmt, F, _) MARLIN_FOR_EACH_DTYPE(MARLIN_DEQUANT, fmt, F)
+MARLIN_FOR_EACH_FORMAT(MARLIN_DEQUANT_DTYPES, )

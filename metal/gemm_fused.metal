@@ -1,13 +1,11 @@
-// Fused dequant-in-registers GEMM (design notes 001/002), with an optional
-// K split (stripe-partitioned K-parallel variant of note 001) and its
-// reduction kernel.
+// Fused dequant-in-registers GEMM, with an optional K split (each
+// threadgroup of a grid.z slice takes a stripe of K) and its reduction kernel.
 //
 // y[M, N] = x[M, K] @ B[K, N] (+ bias). A threadgroup of 4 simdgroups owns a
 // TM x 64 output tile (TM = 32 or 64); simdgroup s owns all TM rows and the
 // 16 columns [16 s, 16 s + 16), i.e. (TM / 8) x 2 fragments of 8 x 8, so the
-// four simdgroups cover the whole TM x 64 tile (the tiling erratum of note 001
-// does not arise) and every packed weight word of the tile is loaded by
-// exactly one simdgroup.
+// four simdgroups cover the whole TM x 64 tile and every packed weight word
+// of the tile is loaded by exactly one simdgroup.
 //
 // The simdgroup computes the transposed product C^T = B^T x^T in fp32
 // simdgroup_matrix fragments: the B^T fragment (rows = 8 columns n, cols = 8
@@ -17,8 +15,9 @@
 // output column = the consecutive nibble pair (C, C + 1) of one packed word:
 // one device load and one marlin_dequant_pair per lane, written straight into
 // thread_elements(). No B staging in threadgroup memory, no simdgroup barrier
-// (design note 002's lanes 0-7 staging needs 8 x 8 halves per simdgroup and a
-// simdgroup barrier per fragment; see docs/KERNELS.md).
+// (staging B through threadgroup memory, 8 lanes dequantizing 8 x 8 values,
+// needs a staging tile per simdgroup and two simdgroup barriers per fragment
+// while 24 lanes idle; docs/KERNELS.md compares the two).
 //
 // x goes through a double-buffered threadgroup tile [2][TM][32] of T
 // (zero-filled past M and past the K slice), one threadgroup barrier per
@@ -36,21 +35,19 @@
 
 using namespace metal;
 
-#define MARLIN_TK 32
-
-// Cooperative load (128 threads) of x[m0 .. m0 + TM, k0 .. k0 + 32] into a
+// Cooperative load (kGemmThreads threads) of x[m0 .. m0 + TM, k0 .. k0 + 32] into a
 // threadgroup tile, zero past M and past k_end.
 template <typename T, int TM>
 inline void marlin_load_x_tile(threadgroup T* dst, const device T* x, uint m0, uint k0, uint M,
                                uint K, uint k_end, uint tid) {
-  for (uint e = tid; e < uint(TM * MARLIN_TK); e += 128) {
-    const uint row = e / MARLIN_TK, col = e % MARLIN_TK;
+  for (uint e = tid; e < uint(TM * kGemmTileK); e += kGemmThreads) {
+    const uint row = e / kGemmTileK, col = e % kGemmTileK;
     const uint m = m0 + row, k = k0 + col;
     dst[e] = (m < M && k < k_end) ? x[ulong(m) * K + k] : T(0.0f);
   }
 }
 
-template <typename T, int F, int TM>
+template <typename T, WeightFormat F, int TM>
 [[kernel]] void marlin_gemm_fused(const device T* x [[buffer(0)]],
                                   const device uint* packed [[buffer(1)]],
                                   const device half* scales [[buffer(2)]],
@@ -72,7 +69,7 @@ template <typename T, int F, int TM>
   const uint fr = (lane / 4 & 4) + (lane / 2) % 4;    // fragment row of this lane
   const uint fc = (lane / 4 & 2) * 2 + (lane % 2) * 2;  // first fragment column
   const uint m0 = tgid.y * TM;
-  const uint nb = tgid.x * 64 + sg * 16;
+  const uint nb = tgid.x * kGemmTileN + sg * (kGemmTileN / 4);
   const uint KR = K / 8;
   const uint r_begin = tgid.z * split_rows;
   const uint r_end = min(KR, r_begin + split_rows);
@@ -88,12 +85,12 @@ template <typename T, int F, int TM>
   marlin_load_x_tile<T, TM>(a_tiles, x, m0, k_begin, M, K, k_end, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   uint buf = 0;
-  for (uint k0 = k_begin; k0 < k_end; k0 += MARLIN_TK) {
-    if (k0 + MARLIN_TK < k_end)
-      marlin_load_x_tile<T, TM>(a_tiles + (buf ^ 1) * (TM * MARLIN_TK), x, m0, k0 + MARLIN_TK, M, K,
+  for (uint k0 = k_begin; k0 < k_end; k0 += kGemmTileK) {
+    if (k0 + kGemmTileK < k_end)
+      marlin_load_x_tile<T, TM>(a_tiles + (buf ^ 1) * (TM * kGemmTileK), x, m0, k0 + kGemmTileK, M, K,
                                 k_end, tid);
-    const threadgroup T* a = a_tiles + buf * (TM * MARLIN_TK);
-    for (uint kk = 0; kk < MARLIN_TK / 8; ++kk) {
+    const threadgroup T* a = a_tiles + buf * (TM * kGemmTileK);
+    for (uint kk = 0; kk < kGemmTileK / 8; ++kk) {
       const uint r = k0 / 8 + kk;  // packed row
       if (r >= r_end) break;      // uniform: last, partial stage of the slice
       simdgroup_matrix<float, 8, 8> wt[2];
@@ -110,8 +107,8 @@ template <typename T, int F, int TM>
       for (int i = 0; i < MF; ++i) {
         simdgroup_matrix<float, 8, 8> xt;  // rows = K, cols = M
         const uint row = 8 * i + fc, col = 8 * kk + fr;
-        marlin_set_elements(xt, float2(float(a[row * MARLIN_TK + col]),
-                                       float(a[(row + 1) * MARLIN_TK + col])));
+        marlin_set_elements(xt, float2(float(a[row * kGemmTileK + col]),
+                                       float(a[(row + 1) * kGemmTileK + col])));
         for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[j][i], wt[j], xt, acc[j][i]);
       }
     }
@@ -155,23 +152,14 @@ template <typename T>
   y[gid] = T(s);
 }
 
-#define MARLIN_INSTANTIATE_FUSED(fname, F, tname, T, TM)                                          \
-  template [[host_name("marlin_gemm_fused_" fname "_" tname "_tm" #TM)]] [[kernel]] decltype( \
+#define MARLIN_FUSED(dt, T, fmt, F, TM)                                                  \
+  template [[host_name("marlin_gemm_fused_" #fmt "_" #dt "_tm" #TM)]] [[kernel]] decltype( \
       marlin_gemm_fused<T, F, TM>) marlin_gemm_fused<T, F, TM>;
+#define MARLIN_FUSED_TILES(dt, T, Tname, fmt, F) MARLIN_FUSED(dt, T, fmt, F, 32) MARLIN_FUSED(dt, T, fmt, F, 64)
+#define MARLIN_FUSED_DTYPES(fmt, F, _) MARLIN_FOR_EACH_DTYPE(MARLIN_FUSED_TILES, fmt, F)
+MARLIN_FOR_EACH_FORMAT(MARLIN_FUSED_DTYPES, )
 
-#define MARLIN_INSTANTIATE_FUSED_T(fname, F, tname, T) \
-  MARLIN_INSTANTIATE_FUSED(fname, F, tname, T, 32)     \
-  MARLIN_INSTANTIATE_FUSED(fname, F, tname, T, 64)
-
-#define MARLIN_INSTANTIATE_FUSED_ALL(fname, F)           \
-  MARLIN_INSTANTIATE_FUSED_T(fname, F, "f16", half)     \
-  MARLIN_INSTANTIATE_FUSED_T(fname, F, "bf16", bfloat)  \
-  MARLIN_INSTANTIATE_FUSED_T(fname, F, "f32", float)
-
-MARLIN_INSTANTIATE_FUSED_ALL("fp4", kMarlinFp4)
-MARLIN_INSTANTIATE_FUSED_ALL("uint4", kMarlinUint4)
-MARLIN_INSTANTIATE_FUSED_ALL("int4", kMarlinInt4)
-
-template [[host_name("marlin_reduce_f16")]] [[kernel]] decltype(marlin_reduce<half>) marlin_reduce<half>;
-template [[host_name("marlin_reduce_bf16")]] [[kernel]] decltype(marlin_reduce<bfloat>) marlin_reduce<bfloat>;
-template [[host_name("marlin_reduce_f32")]] [[kernel]] decltype(marlin_reduce<float>) marlin_reduce<float>;
+#define MARLIN_REDUCE(dt, T, Tname, _)                                                 \
+  template [[host_name("marlin_reduce_" #dt)]] [[kernel]] decltype(marlin_reduce<T>) \
+      marlin_reduce<T>;
+MARLIN_FOR_EACH_DTYPE(MARLIN_REDUCE, )

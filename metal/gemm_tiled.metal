@@ -1,9 +1,8 @@
-// Tiled, double-buffered GEMM of design note 001 (for larger M), with the
-// note's tiling erratum fixed: a threadgroup of 4 simdgroups computes a
-// 64 x 64 output tile and simdgroup s owns the 32 x 32 quadrant
+// Tiled, double-buffered GEMM (for larger M): a threadgroup of 4 simdgroups
+// computes a 64 x 64 output tile and simdgroup s owns the 32 x 32 quadrant
 // (rows 32 * (s / 2), cols 32 * (s % 2)) = 4 x 4 fp32 8x8 fragments, so the
-// four quadrants cover all 64 x 64 (the note's 2 x 4 fragments per simdgroup
-// covered only 32 x 64).
+// four quadrants cover all 64 x 64 (2 x 4 fragments per simdgroup would
+// cover only 32 x 64).
 //
 // Per 32-deep K stage, all 128 threads cooperatively
 //   * load the x tile [64][32] (T, zero past M and past the K slice) and
@@ -24,23 +23,19 @@
 
 using namespace metal;
 
-#define MARLIN_TILED_TM 64
-#define MARLIN_TILED_TN 64
-#define MARLIN_TILED_TK 32
-
 // Stage k0: x tile and dequantized B tile (threadgroup-wide, 128 threads).
-template <typename T, int F>
+template <typename T, WeightFormat F>
 inline void marlin_tiled_load_stage(threadgroup T* xs, threadgroup float* bs, const device T* x,
                                     const device uint* packed, const device half* scales,
                                     const device half* zeros, uint m0, uint n0, uint k0, uint M,
                                     uint N, uint K, uint k_end, uint group_rows, uint tid) {
-  for (uint e = tid; e < uint(MARLIN_TILED_TM * MARLIN_TILED_TK); e += 128) {
-    const uint row = e / MARLIN_TILED_TK, col = e % MARLIN_TILED_TK;
+  for (uint e = tid; e < uint(kTiledTileM * kGemmTileK); e += kGemmThreads) {
+    const uint row = e / kGemmTileK, col = e % kGemmTileK;
     const uint m = m0 + row, k = k0 + col;
     xs[e] = (m < M && k < k_end) ? x[ulong(m) * K + k] : T(0.0f);
   }
-  for (uint e = tid; e < uint(MARLIN_TILED_TK / 8 * MARLIN_TILED_TN); e += 128) {
-    const uint rr = e / MARLIN_TILED_TN, col = e % MARLIN_TILED_TN;
+  for (uint e = tid; e < uint(kGemmTileK / 8 * kGemmTileN); e += kGemmThreads) {
+    const uint rr = e / kGemmTileN, col = e % kGemmTileN;
     const uint r = k0 / 8 + rr, n = n0 + col;
     uint w = 0;
     MarlinDequantParams p = {0.0f, 0.0f, 0.0f};  // past N or past the slice: zeros
@@ -48,16 +43,16 @@ inline void marlin_tiled_load_stage(threadgroup T* xs, threadgroup float* bs, co
       w = packed[ulong(r) * N + n];
       p = marlin_load_params<F>(scales, zeros, r, n, N, group_rows);
     }
-    threadgroup float* dst = bs + (8 * rr) * MARLIN_TILED_TN + col;
+    threadgroup float* dst = bs + (8 * rr) * kGemmTileN + col;
     for (uint j = 0; j < 8; j += 2) {
       const float2 v = marlin_dequant_pair<F>(w, j, p);
-      dst[j * MARLIN_TILED_TN] = v.x;
-      dst[(j + 1) * MARLIN_TILED_TN] = v.y;
+      dst[j * kGemmTileN] = v.x;
+      dst[(j + 1) * kGemmTileN] = v.y;
     }
   }
 }
 
-template <typename T, int F>
+template <typename T, WeightFormat F>
 [[kernel]] void marlin_gemm_tiled(const device T* x [[buffer(0)]],
                                   const device uint* packed [[buffer(1)]],
                                   const device half* scales [[buffer(2)]],
@@ -75,14 +70,14 @@ template <typename T, int F>
                                   uint tid [[thread_index_in_threadgroup]],
                                   uint sg [[simdgroup_index_in_threadgroup]],
                                   uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint XS = MARLIN_TILED_TM * MARLIN_TILED_TK;  // elements per x tile
-  constexpr uint BS = MARLIN_TILED_TK * MARLIN_TILED_TN;  // elements per B tile
+  constexpr uint XS = kTiledTileM * kGemmTileK;  // elements per x tile
+  constexpr uint BS = kGemmTileK * kGemmTileN;  // elements per B tile
   threadgroup float* b_tiles = (threadgroup float*)smem;                  // [2][32][64] fp32
   threadgroup T* x_tiles = (threadgroup T*)(smem + 2 * BS * sizeof(float));  // [2][64][32] T
 
   const uint fr = (lane / 4 & 4) + (lane / 2) % 4;
   const uint fc = (lane / 4 & 2) * 2 + (lane % 2) * 2;
-  const uint m0 = tgid.y * MARLIN_TILED_TM, n0 = tgid.x * MARLIN_TILED_TN;
+  const uint m0 = tgid.y * kTiledTileM, n0 = tgid.x * kGemmTileN;
   const uint sm = 32 * (sg / 2), sn = 32 * (sg % 2);  // this simdgroup's quadrant
   const uint KR = K / 8;
   const uint r_begin = tgid.z * split_rows;
@@ -97,20 +92,20 @@ template <typename T, int F>
                                 k_end, group_rows, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   uint buf = 0;
-  for (uint k0 = k_begin; k0 < k_end; k0 += MARLIN_TILED_TK) {
-    if (k0 + MARLIN_TILED_TK < k_end)
+  for (uint k0 = k_begin; k0 < k_end; k0 += kGemmTileK) {
+    if (k0 + kGemmTileK < k_end)
       marlin_tiled_load_stage<T, F>(x_tiles + (buf ^ 1) * XS, b_tiles + (buf ^ 1) * BS, x, packed, scales,
-                                    zeros, m0, n0, k0 + MARLIN_TILED_TK, M, N, K, k_end, group_rows, tid);
+                                    zeros, m0, n0, k0 + kGemmTileK, M, N, K, k_end, group_rows, tid);
     const threadgroup T* xs = x_tiles + buf * XS;
     const threadgroup float* bs = b_tiles + buf * BS;
-    for (uint kk = 0; kk < MARLIN_TILED_TK; kk += 8) {
+    for (uint kk = 0; kk < kGemmTileK; kk += 8) {
       simdgroup_matrix<float, 8, 8> a[4], b[4];
       for (int i = 0; i < 4; ++i) {
         const uint row = sm + 8 * i + fr, col = kk + fc;
-        marlin_set_elements(a[i], float2(float(xs[row * MARLIN_TILED_TK + col]),
-                                         float(xs[row * MARLIN_TILED_TK + col + 1])));
+        marlin_set_elements(a[i], float2(float(xs[row * kGemmTileK + col]),
+                                         float(xs[row * kGemmTileK + col + 1])));
       }
-      for (int j = 0; j < 4; ++j) simdgroup_load(b[j], bs + kk * MARLIN_TILED_TN + sn + 8 * j, MARLIN_TILED_TN);
+      for (int j = 0; j < 4; ++j) simdgroup_load(b[j], bs + kk * kGemmTileN + sn + 8 * j, kGemmTileN);
       for (int i = 0; i < 4; ++i)
         for (int j = 0; j < 4; ++j) simdgroup_multiply_accumulate(acc[i][j], a[i], b[j], acc[i][j]);
     }
@@ -138,15 +133,8 @@ template <typename T, int F>
   }
 }
 
-#define MARLIN_INSTANTIATE_TILED(fname, F, tname, T)                                 \
-  template [[host_name("marlin_gemm_tiled_" fname "_" tname)]] [[kernel]] decltype( \
+#define MARLIN_TILED(dt, T, Tname, fmt, F)                                          \
+  template [[host_name("marlin_gemm_tiled_" #fmt "_" #dt)]] [[kernel]] decltype( \
       marlin_gemm_tiled<T, F>) marlin_gemm_tiled<T, F>;
-
-#define MARLIN_INSTANTIATE_TILED_ALL(fname, F)           \
-  MARLIN_INSTANTIATE_TILED(fname, F, "f16", half)       \
-  MARLIN_INSTANTIATE_TILED(fname, F, "bf16", bfloat)    \
-  MARLIN_INSTANTIATE_TILED(fname, F, "f32", float)
-
-MARLIN_INSTANTIATE_TILED_ALL("fp4", kMarlinFp4)
-MARLIN_INSTANTIATE_TILED_ALL("uint4", kMarlinUint4)
-MARLIN_INSTANTIATE_TILED_ALL("int4", kMarlinInt4)
+#define MARLIN_TILED_DTYPES(fmt, F, _) MARLIN_FOR_EACH_DTYPE(MARLIN_TILED, fmt, F)
+MARLIN_FOR_EACH_FORMAT(MARLIN_TILED_DTYPES, )

@@ -17,7 +17,7 @@
 
 using namespace metal;
 
-template <typename T, int F, int MR>
+template <typename T, WeightFormat F, int MR>
 [[kernel]] void marlin_gemv(const device T* x [[buffer(0)]],
                             const device uint* packed [[buffer(1)]],
                             const device half* scales [[buffer(2)]],
@@ -35,7 +35,7 @@ template <typename T, int F, int MR>
                             uint nsg [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
   const uint cl = lane % 8, kl = lane / 8;
-  const uint n0 = tgid.x * 32 + 4 * cl;  // first of this lane's 4 columns
+  const uint n0 = tgid.x * kGemvColumns + 4 * cl;  // first of this lane's 4 columns
   const uint KR = K / 8;
   const bool full = n0 + 3 < N;
 
@@ -78,36 +78,27 @@ template <typename T, int F, int MR>
       float v = acc[m][c];
       v += simd_shuffle_xor(v, ushort(8));
       v += simd_shuffle_xor(v, ushort(16));
-      if (kl == 0) partial[(sg * MR + m) * 32 + 4 * cl + c] = v;
+      if (kl == 0) partial[(sg * MR + m) * kGemvColumns + 4 * cl + c] = v;
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  if (tid < uint(MR) * 32) {
-    const uint m = tid / 32, col = tid % 32, n = tgid.x * 32 + col;
+  if (tid < uint(MR) * kGemvColumns) {
+    const uint m = tid / kGemvColumns, col = tid % kGemvColumns, n = tgid.x * kGemvColumns + col;
     if (m < M && n < N) {
       float s = 0.0f;
-      for (uint g = 0; g < nsg; ++g) s += partial[(g * MR + m) * 32 + col];
+      for (uint g = 0; g < nsg; ++g) s += partial[(g * MR + m) * kGemvColumns + col];
       if (marlin_has_bias) s += float(bias[n]);
       y[ulong(m) * N + n] = T(s);
     }
   }
 }
 
-#define MARLIN_INSTANTIATE_GEMV(fname, F, tname, T, MR)                                    \
-  template [[host_name("marlin_gemv_" fname "_" tname "_m" #MR)]] [[kernel]] decltype( \
+#define MARLIN_GEMV(dt, T, fmt, F, MR)                                            \
+  template [[host_name("marlin_gemv_" #fmt "_" #dt "_m" #MR)]] [[kernel]] decltype( \
       marlin_gemv<T, F, MR>) marlin_gemv<T, F, MR>;
-
-#define MARLIN_INSTANTIATE_GEMV_MR(fname, F, tname, T) \
-  MARLIN_INSTANTIATE_GEMV(fname, F, tname, T, 1)       \
-  MARLIN_INSTANTIATE_GEMV(fname, F, tname, T, 4)       \
-  MARLIN_INSTANTIATE_GEMV(fname, F, tname, T, 8)
-
-#define MARLIN_INSTANTIATE_GEMV_ALL(fname, F)            \
-  MARLIN_INSTANTIATE_GEMV_MR(fname, F, "f16", half)     \
-  MARLIN_INSTANTIATE_GEMV_MR(fname, F, "bf16", bfloat)  \
-  MARLIN_INSTANTIATE_GEMV_MR(fname, F, "f32", float)
-
-MARLIN_INSTANTIATE_GEMV_ALL("fp4", kMarlinFp4)
-MARLIN_INSTANTIATE_GEMV_ALL("uint4", kMarlinUint4)
-MARLIN_INSTANTIATE_GEMV_ALL("int4", kMarlinInt4)
+// MR: rows of x held per lane; the planner picks the smallest >= M.
+#define MARLIN_GEMV_ROWS(dt, T, Tname, fmt, F) \
+  MARLIN_GEMV(dt, T, fmt, F, 1) MARLIN_GEMV(dt, T, fmt, F, 4) MARLIN_GEMV(dt, T, fmt, F, 8)
+#define MARLIN_GEMV_DTYPES(fmt, F, _) MARLIN_FOR_EACH_DTYPE(MARLIN_GEMV_ROWS, fmt, F)
+MARLIN_FOR_EACH_FORMAT(MARLIN_GEMV_DTYPES, )

@@ -22,10 +22,10 @@
 #include <metal_simdgroup_matrix>
 #include <metal_stdlib>
 
-using namespace metal;
+#include "marlin_common.h"
 
-// Matches WeightFormat in csrc/core/checks.h (template argument F below).
-enum MarlinFormat : int { kMarlinFp4 = 0, kMarlinUint4 = 1, kMarlinInt4 = 2 };
+using namespace metal;
+using namespace marlin;  // WeightFormat (template argument F below), tile constants
 
 // Nibbles j and j + 1 of `w` moved to bits 0..3 and 16..19 (one per half lane).
 inline uint marlin_spread_pair(uint w, uint j) {
@@ -54,14 +54,14 @@ struct MarlinDequantParams {
   float zero;    // uint4 only: zero point, subtracted after the offset
 };
 
-template <int F>
+template <WeightFormat F>
 inline MarlinDequantParams marlin_make_params(half scale, half zero) {
   MarlinDequantParams p;
-  if (F == kMarlinFp4) {
+  if (F == kFp4) {
     p.scale = float(scale) * 16384.0f;  // 2^14: FP4 bias 1 -> FP16 bias 15
     p.offset = 0.0f;
     p.zero = 0.0f;
-  } else if (F == kMarlinInt4) {
+  } else if (F == kInt4) {
     p.scale = float(scale);
     p.offset = 1032.0f;  // magic 1024 + int4 offset 8
     p.zero = 0.0f;
@@ -73,27 +73,27 @@ inline MarlinDequantParams marlin_make_params(half scale, half zero) {
   return p;
 }
 
-template <int F>
+template <WeightFormat F>
 inline half2 marlin_pair_raw(uint w, uint j) {
-  if (F == kMarlinFp4) return marlin_fp4_pair_raw(w, j);
+  if (F == kFp4) return marlin_fp4_pair_raw(w, j);
   return marlin_u4_pair_raw(w, j);
 }
 
 // Dequantized weights of nibbles (j, j + 1) of `w` in fp32.
-template <int F>
+template <WeightFormat F>
 inline float2 marlin_dequant_pair(uint w, uint j, MarlinDequantParams p) {
   const float2 raw = float2(marlin_pair_raw<F>(w, j));
-  if (F == kMarlinUint4) return ((raw - p.offset) - p.zero) * p.scale;
+  if (has_zeros(F)) return ((raw - p.offset) - p.zero) * p.scale;
   return (raw - p.offset) * p.scale;
 }
 
 // Group params of column `n` for packed row `r` (8 K values; a group always
 // holds whole rows since group sizes are multiples of 8).
-template <int F>
+template <WeightFormat F>
 inline MarlinDequantParams marlin_load_params(const device half* scales, const device half* zeros,
                                               uint r, uint n, uint N, uint group_rows) {
   const ulong idx = ulong((8u * r) / group_rows) * N + n;
-  return marlin_make_params<F>(scales[idx], F == kMarlinUint4 ? zeros[idx] : half(0.0h));
+  return marlin_make_params<F>(scales[idx], has_zeros(F) ? zeros[idx] : half(0.0h));
 }
 
 // Sets this lane's two elements of an 8x8 fragment (element-wise, the form

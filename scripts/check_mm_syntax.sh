@@ -23,7 +23,7 @@ GEN="$(mktemp -d)"
 trap 'rm -rf "$GEN"' EXIT
 "$PYTHON" "$ROOT/csrc/mps/embed_metal.py" "$GEN" >/dev/null
 
-INCLUDES=(-I "$ROOT/csrc/mps/stubs" -I "$ROOT/csrc" -I "$GEN")
+INCLUDES=(-I "$ROOT/csrc/mps/stubs" -I "$ROOT/csrc" -I "$ROOT/metal" -I "$GEN")
 for d in $TORCH_INC; do INCLUDES+=(-isystem "$d"); done
 
 status=0

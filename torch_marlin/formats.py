@@ -7,8 +7,6 @@ tests/reference.py.
 
 from __future__ import annotations
 
-
-
 import torch
 
 # The position of a format in WEIGHT_FORMATS is its number in state_dicts and
@@ -21,6 +19,8 @@ GROUP_SIZES = (16, 32, 64, 128, 256, -1)
 PACK_FACTOR = 8  # 4-bit codes per int32 word, along K
 INT4_OFFSET = 8  # int4 is stored offset-binary: q - 8 is the signed value
 FP16_MAX = 65504.0  # scales and zeros are stored in fp16
+# Activation dtypes of the ops (x, bias, the result): the compute dtype is x's.
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,

@@ -11,63 +11,19 @@ through the same `Quantizer` interface and `register_quantizer`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import formats
 from .formats import E2M1_VALUES, FP16_MAX, INT4_OFFSET
+from .layouts.dense import QuantizedWeight
 
 # Rows of N quantized at once: bounds the search's temporary memory.
 _ROW_CHUNK_ELEMENTS = 1 << 20
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _REFIT_ROUNDS = 2
 _FP16_TINY = 2.0 ** -14  # smallest normal fp16: keeps w / scale finite
-
-
-@dataclass
-class QuantizedWeight:
-    """A packed weight and what is needed to interpret it (docs/FORMAT.md)."""
-
-    packed: torch.Tensor  # int32 [K/8, N], K padded
-    scales: torch.Tensor  # fp16 [G, N]
-    zeros: Optional[torch.Tensor]  # fp16 [G, N] for uint4, else None
-    weight_format: str
-    group_size: int
-    in_features: int  # unpadded K
-    out_features: int  # N
-    relative_error: float = float("nan")  # ||W - Wq|| / ||W|| when quantized from floats
-
-    @property
-    def padded_in_features(self) -> int:
-        return self.packed.shape[0] * formats.PACK_FACTOR
-
-    @classmethod
-    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
-                   in_features=None, out_features=None) -> "QuantizedWeight":
-        """Pack codes [K, N] (0..15) with their scales/zeros [G, N]; validates everything."""
-        packed = formats.pack_codes(codes)
-        k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
-        in_features = k if in_features is None else int(in_features)
-        out_features = n if out_features is None else int(out_features)
-        if not (0 < in_features <= k and k - in_features < formats.padded_in_features(1, group_size)):
-            raise ValueError(f"in_features={in_features} does not fit packed K={k}")
-        if out_features != n:
-            raise ValueError(f"out_features={out_features} must equal N={n}")
-        return cls(packed, scales.contiguous(), None if zeros is None else zeros.contiguous(),
-                   weight_format, group_size, in_features, out_features)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """The weight W as [N, in_features] (reference path, float64 inside)."""
-        b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
-                                         self.weight_format, self.group_size, dtype)
-        return b[: self.in_features].t()
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.packed, self.scales] + ([self.zeros] if self.zeros is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 Quantizer = Callable[[torch.Tensor, str, int], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
@@ -126,7 +82,7 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
 def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
     """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
 
-    The name of the design notes; `quantize_weight` is the general form.
+    An fp4-only shorthand; `quantize_weight` is the general form.
     """
     q = quantize_weight(weight, "fp4", group_size)
     return q.packed, q.scales

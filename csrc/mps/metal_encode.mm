@@ -1,5 +1,5 @@
 // The only Objective-C++ of torch_marlin: pipeline cache and command encoding
-// of a metal::Plan onto PyTorch's current MPS stream, the way PyTorch's own
+// of a metal::Plan (whose buffers run_plan.cpp resolved) onto PyTorch's current MPS stream, the way PyTorch's own
 // MPS ops encode (aten/src/ATen/native/mps): getCurrentMPSStream(),
 // dispatch_sync_with_rethrow on its serial queue, its commandEncoder(),
 // buffers bound with the tensors' storage offsets. No commit or wait here:
@@ -108,23 +108,9 @@ class PipelineCache {
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
 
-const at::Tensor& tensor_for(const PlanTensors& t, metal::Arg arg) {
-  switch (arg) {
-    case metal::Arg::kX: return t.x;
-    case metal::Arg::kPacked: return t.packed;
-    case metal::Arg::kScales: return t.scales;
-    case metal::Arg::kZeros: return t.zeros;
-    case metal::Arg::kBias: return t.bias;
-    case metal::Arg::kOut: return t.out;
-    case metal::Arg::kPartial: return t.partial;
-    case metal::Arg::kScalar: break;
-  }
-  TORCH_INTERNAL_ASSERT(false, "not a tensor argument");
-}
-
 }  // namespace
 
-void encode_plan(const metal::Plan& plan, const PlanTensors& tensors) {
+void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers) {
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   id<MTLDevice> device = stream->device();
   // Pipelines first (may compile), outside the stream's queue.
@@ -132,7 +118,7 @@ void encode_plan(const metal::Plan& plan, const PlanTensors& tensors) {
   for (const metal::Launch& l : plan.launches) states.push_back(PipelineCache::get().pipeline(device, l));
 
   const metal::Plan* p = &plan;
-  const PlanTensors* t = &tensors;
+  const LaunchBuffers* t = &buffers;
   const std::vector<id<MTLComputePipelineState>>* s = &states;
   at::mps::dispatch_sync_with_rethrow(stream->queue(), ^() {
     @autoreleasepool {
@@ -140,12 +126,13 @@ void encode_plan(const metal::Plan& plan, const PlanTensors& tensors) {
       for (size_t i = 0; i < p->launches.size(); ++i) {
         const metal::Launch& l = p->launches[i];
         [encoder setComputePipelineState:(*s)[i]];
-        for (const metal::Binding& b : l.bindings) {
-          if (b.arg == metal::Arg::kScalar) {
+        for (size_t j = 0; j < l.bindings.size(); ++j) {
+          const metal::Binding& b = l.bindings[j];
+          if (b.source == metal::Source::kScalar) {
             const uint32_t value = b.value;
             [encoder setBytes:&value length:sizeof(value) atIndex:(NSUInteger)b.index];
           } else {
-            const at::Tensor& x = tensor_for(*t, b.arg);
+            const at::Tensor& x = (*t)[i][j];
             [encoder setBuffer:buffer_of(x)
                         offset:(NSUInteger)(x.storage_offset() * x.element_size())
                        atIndex:(NSUInteger)b.index];

@@ -4,11 +4,10 @@ import functools
 
 import torch
 
+from torch_marlin.formats import ACTIVATION_DTYPES as DTYPES  # noqa: F401  (re-exported to the tests)
+from torch_marlin.formats import GROUP_SIZES  # noqa: F401
+from torch_marlin.formats import WEIGHT_FORMATS as FORMATS  # noqa: F401
 from torch_marlin.formats import pack_codes
-
-FORMATS = ("fp4", "uint4", "int4")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-GROUP_SIZES = (16, 32, 64, 128, 256, -1)
 SEEDS = (0, 1)  # two random emulator schedules per case
 
 # Max |metal - cpu| / max |cpu| for gemm. Both accumulate in fp32 (different

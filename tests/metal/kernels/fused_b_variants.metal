@@ -4,7 +4,7 @@
 // the emulator's terms.
 //   STAGING = false: dequantize straight into the fragment (thread_elements),
 //                    what metal/gemm_fused.metal does.
-//   STAGING = true:  design note 002: lanes 0-7 of each simdgroup dequantize
+//   STAGING = true:  the staging alternative: lanes 0-7 of each simdgroup dequantize
 //                    an 8x8 B tile into a per-simdgroup threadgroup staging
 //                    buffer, simdgroup_barrier, simdgroup_load, per (m, n)
 //                    fragment (plus the barrier protecting the buffer before
@@ -62,9 +62,9 @@ template <bool STAGING>
           if (n < N) {
             w = packed[r * N + n];
             atomic_fetch_add_explicit(&counters[0], 1u, memory_order_relaxed);
-            p = marlin_load_params<kMarlinFp4>(scales, scales, r, n, N, group_rows);
+            p = marlin_load_params<kFp4>(scales, scales, r, n, N, group_rows);
           }
-          marlin_set_elements(wt[j], marlin_dequant_pair<kMarlinFp4>(w, fc, p));
+          marlin_set_elements(wt[j], marlin_dequant_pair<kFp4>(w, fc, p));
         }
         for (int i = 0; i < 4; ++i) {
           simdgroup_matrix<float, 8, 8> xt;
@@ -86,10 +86,10 @@ template <bool STAGING>
               if (n < N) {
                 w = packed[r * N + n];
                 atomic_fetch_add_explicit(&counters[0], 1u, memory_order_relaxed);
-                p = marlin_load_params<kMarlinFp4>(scales, scales, r, n, N, group_rows);
+                p = marlin_load_params<kFp4>(scales, scales, r, n, N, group_rows);
               }
               for (uint q = 0; q < 8; q += 2) {
-                const float2 v = marlin_dequant_pair<kMarlinFp4>(w, q, p);
+                const float2 v = marlin_dequant_pair<kFp4>(w, q, p);
                 st[q * 8 + lane] = v.x;
                 st[(q + 1) * 8 + lane] = v.y;
               }

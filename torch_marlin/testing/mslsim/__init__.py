@@ -494,7 +494,7 @@ def compile(source, include_dirs=(), defines=None) -> Library:  # noqa: A001 - A
             v = int(v)
         dflags.append(f"-D{k}" if v is None else f"-D{k}={v}")
     incs = [f"-I{d}" for d in list(base_dir) + [os.fspath(d) for d in include_dirs]]
-    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__=1",
+    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__=1",
                     "-D__HAVE_BFLOAT__=1", "-DMSLSIM=1", f"-I{_INCLUDE}"] + incs + dflags + ["-"]
     r = subprocess.run(pp_cmd, input=text, capture_output=True, text=True)
     if r.returncode != 0:
