@@ -28,7 +28,11 @@ uint32_t u32(int64_t v, const char* what) {
 void check_launch(const Launch& l) {
   TORCH_INTERNAL_ASSERT(l.threadgroup_memory % 16 == 0 && l.threadgroup_memory <= kMaxThreadgroupMemory,
                         l.kernel, ": threadgroup memory ", l.threadgroup_memory);
-  TORCH_INTERNAL_ASSERT(l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2] <= 1024, l.kernel);
+  const int64_t threads = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];
+  TORCH_INTERNAL_ASSERT(threads <= 1024, l.kernel);
+  // At most kThreadgroupMemoryBudget per 128 threads: two threadgroups fit a core.
+  TORCH_INTERNAL_ASSERT(l.threadgroup_memory * 128 <= kThreadgroupMemoryBudget * threads, l.kernel,
+                        ": threadgroup memory ", l.threadgroup_memory, " for ", threads, " threads");
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
 }
 
@@ -92,8 +96,14 @@ std::string to_json(const Plan& p) {
       << "\",\"grid\":[" << l.grid[0] << "," << l.grid[1] << "," << l.grid[2] << "],\"threadgroup\":["
       << l.threadgroup[0] << "," << l.threadgroup[1] << "," << l.threadgroup[2]
       << "],\"threadgroup_memory\":" << l.threadgroup_memory << ",\"constants\":{";
-    for (size_t c = 0; c < l.bool_constants.size(); ++c)
-      o << (c ? "," : "") << "\"" << l.bool_constants[c].first << "\":" << (l.bool_constants[c].second ? "true" : "false");
+    for (size_t c = 0; c < l.constants.size(); ++c) {
+      const Constant& k = l.constants[c];
+      o << (c ? "," : "") << "\"" << k.index << "\":";
+      if (k.is_bool)
+        o << (k.value ? "true" : "false");
+      else
+        o << k.value;
+    }
     o << "},\"bindings\":[";
     for (size_t b = 0; b < l.bindings.size(); ++b) {
       const Binding& bd = l.bindings[b];

@@ -47,14 +47,24 @@ struct Buffer {
   at::ScalarType dtype;
 };
 
+// A function constant's value (MARLIN_FOR_EACH_FUNCTION_CONSTANT): bool or uint.
+struct Constant {
+  int index;
+  bool is_bool;
+  uint32_t value;
+};
+
 struct Launch {
   std::string source;  // metal/<source>.metal
   std::string kernel;  // [[host_name]]
-  std::vector<std::pair<int, bool>> bool_constants;  // function_constant index -> value
+  std::vector<Constant> constants;  // every function constant the kernel reads
   std::array<int64_t, 3> grid{1, 1, 1};              // threadgroups per grid
   std::array<int64_t, 3> threadgroup{1, 1, 1};       // threads per threadgroup
   int64_t threadgroup_memory = 0;  // bytes for [[threadgroup(0)]] (multiple of 16)
   std::vector<Binding> bindings;
+
+  void set(FunctionConstant c, bool value) { constants.push_back({c, true, value ? 1u : 0u}); }
+  void set(FunctionConstant c, uint32_t value) { constants.push_back({c, false, value}); }
 };
 
 struct Plan {
