@@ -29,6 +29,7 @@ from .config import build_quantization_config
 from .errors import CheckpointError
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
 from .layout import describe_model
+from .modules import layout_state
 from .safetensors_io import ShardedWriter
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -174,12 +175,12 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
         bar.set_postfix_str(module[-40:], refresh=False)
         layer = importer.convert(module, plans[module])
         _check_against_layout(module, layer, layout)
-        _write_layer(module, layer, plans[module].bias_key, source, writer, dtype)
         q = layer.qweight
         modules[module] = {"weight_format": q.weight_format, "group_size": q.group_size,
-                                 "in_features": q.in_features, "out_features": q.out_features}
+                           "in_features": q.in_features, "out_features": q.out_features}
         if layer.input_perm is not None:
             modules[module]["act_order"] = True
+        _write_layer(module, layer, modules[module], plans[module].bias_key, source, writer, dtype)
         summary.layers_converted += 1
         summary.quantized_params += q.in_features * q.out_features
         summary.quantized_bytes += q.nbytes
@@ -211,9 +212,11 @@ def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
                               f"but the config describes {spec.in_features}x{spec.out_features}")
 
 
-def _write_layer(module: str, layer: ConvertedLayer, bias_key: Optional[str], source: SourceCheckpoint,
-                 writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
+def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Optional[str],
+                 source: SourceCheckpoint, writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
+    """The layer's tensors under MarlinLinear.state_dict() names (docs/FORMAT.md)."""
     q = layer.qweight
+    writer.add(f"{module}._extra_state", layout_state(entry))
     writer.add(f"{module}.packed", q.packed)
     writer.add(f"{module}.scales", q.scales)
     if q.zeros is not None:
