@@ -26,7 +26,8 @@ LOADERS = {"AutoModelForCausalLM": transformers.AutoModelForCausalLM.from_pretra
 @contextlib.contextmanager
 def expect_silence(capfd):
     """Fail if the block writes to stdout/stderr, logs through transformers at warning level
-    (a new user's default; the test session sets it to error) or emits a Python warning.
+    (a new user's default; the test session sets it to error) or emits a Python warning
+    (torch's warn-once warnings included: another test may have used up the once).
     Progress bars stay off (conftest): they are transformers' own, shown for any model."""
     capfd.readouterr()
     records = []
@@ -36,11 +37,14 @@ def expect_silence(capfd):
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_warning()
     logger.addHandler(handler)
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield
     finally:
+        torch.set_warn_always(warn_always)
         logger.removeHandler(handler)
         transformers.logging.set_verbosity(verbosity)
     out, err = capfd.readouterr()
@@ -102,10 +106,14 @@ def test_checkpoints_without_layout_state_load_silently(converted, tmp_path, cap
         assert torch.equal(layer.dequantize(), reference.get_submodule(name).dequantize())
 
 
-def test_quantize_on_load_and_its_save_reload_are_silent(tiny_model_dir, tmp_path, capfd):
-    config = MarlinConfig(weight_format="uint4", group_size=32, quantizer="absmax")
+@pytest.mark.parametrize("arch,config", [
+    ("qwen2", dict(weight_format="uint4", group_size=32, quantizer="absmax")),
+    ("gpt2", dict(weight_format="fp4", group_size=32)),  # Conv1D weights are transposed views; mse quantizer
+])
+def test_quantize_on_load_and_its_save_reload_are_silent(tiny_model_dir, tmp_path, capfd, arch, config):
     with expect_silence(capfd):
-        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), quantization_config=config)
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch),
+                                                                  quantization_config=MarlinConfig(**config))
     assert marlin_modules(model)
     saved = str(tmp_path / "saved")
     model.save_pretrained(saved)
