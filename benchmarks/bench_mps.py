@@ -85,9 +85,9 @@ def decode_word(fmt):
     if fmt == "fp4":
         # per pair: (t + t) & 0x0E000E00 | (t << 4) & 0x80008000 with t = w << 8, w << 4, w, w >> 4.
         # Counted as the compiler canonicalizes it: the shifts fold into w << 9, 12 (p = 0), 5, 8
-        # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, (w >> 4) << 4 = w & ~15
-        # (p = 3): 8 and + 4 or + 2 iadd + 1 and (p = 3) full rate, 5 quarter-rate shifts
-        return 8 + 4 + 2 + 1, 5
+        # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, w (p = 3; clang -O2 emits
+        # exactly these): 8 and + 4 or + 2 iadd full rate, 5 quarter-rate shifts
+        return 8 + 4 + 2, 5
     # per pair: &, | 0x64006400, one half2 fma (2 fp16 instructions); w >> 8 once
     return 4 * 4, 1
 
