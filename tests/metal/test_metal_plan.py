@@ -229,3 +229,17 @@ def test_huge_m_is_planned_not_rejected():
     p = _plan(1 << 20, 4096, 8192)
     (l,) = p["launches"]
     assert l["kernel"].startswith("marlin_gemm_tiled_") and l["grid"] == [64, (1 << 20) // 64, 1]
+
+
+def test_bench_mps_plan_only_and_estimates_run_without_a_mac():
+    # benchmarks/bench_mps.py --plan-only --estimates is the Linux half of the
+    # benchmark (plan traffic, the estimated bounds of docs/KERNELS.md).
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_mps.py"
+    r = subprocess.run([sys.executable, str(script), "--plan-only", "--estimates", "--format", "uint4"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "gemv_uint4_f16" in r.stdout and "M4 Max 40c" in r.stdout and "simdgroup_load" in r.stdout
