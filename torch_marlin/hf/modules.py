@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterable, List, Optional
 
+import torch
 from torch import nn
 
 from ..linear import MarlinLinear, PermutedInputMarlinLinear
@@ -28,12 +30,37 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
                                   f"but the model expects {spec.in_features}x{spec.out_features}")
         old = model.get_submodule(name)
         dtype = old.weight.dtype if old.weight.is_floating_point() else None
-        cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
-        model.set_submodule(name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
-                                      entry["group_size"], device=device, dtype=dtype))
+        model.set_submodule(name, empty_marlin(entry, spec.bias, device=device, dtype=dtype))
         replaced.append(name)
     _skip_parent_init(model, replaced)
+    _layout_state_may_be_absent(model, replaced)
     return replaced
+
+
+def empty_marlin(entry: dict, bias: bool = False, device="meta", dtype=None) -> MarlinLinear:
+    """The empty MarlinLinear that a `modules` table entry (config.py) describes."""
+    cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
+    return cls(entry["in_features"], entry["out_features"], bias, entry["weight_format"], entry["group_size"],
+               device=device, dtype=dtype)
+
+
+def layout_state(entry: dict) -> torch.Tensor:
+    """The `_extra_state` (layout guard) of the MarlinLinear a `modules` entry describes: the
+    converter writes it next to the layer's tensors, so that loading the tensors into a module
+    built with another format or group size fails as it does for a state_dict."""
+    return empty_marlin(entry).get_extra_state()
+
+
+def _layout_state_may_be_absent(model: nn.Module, replaced: List[str]) -> None:
+    """The modules were built from the config's table, which is authoritative; checkpoints
+    converted before `_extra_state` was written lack it. Tell transformers that its absence is
+    expected, so its load report does not list it as "MISSING, newly initialized". When present
+    it is loaded through MarlinLinear.set_extra_state, which raises on a layout mismatch."""
+    if not replaced:
+        return
+    pattern = "^(?:" + "|".join(re.escape(name) for name in replaced) + r")\._extra_state$"
+    model._keys_to_ignore_on_load_missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()) | {
+        pattern}
 
 
 def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
