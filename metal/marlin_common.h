@@ -77,6 +77,9 @@ MARLIN_CONSTEXPR int kMaxThreadgroupMemory = 32 * 1024;  // bytes, every Apple G
 // Budget per 128 threads: at least two threadgroups of every kernel fit a GPU
 // core's threadgroup memory (docs/KERNELS.md).
 MARLIN_CONSTEXPR int kThreadgroupMemoryBudget = 16 * 1024;
+// Lanes per simdgroup on Apple GPUs; every kernel's lane arithmetic assumes it
+// (the MPS bridge checks each pipeline's threadExecutionWidth).
+MARLIN_CONSTEXPR int kSimdWidth = 32;
 
 // Decode GEMV (metal/marlin_gemv.h): a threadgroup of up to kGemvSimdgroups
 // simdgroups owns kGemvColumns output columns of one K slice. Lane 8 * kl + cl

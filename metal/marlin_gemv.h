@@ -21,9 +21,11 @@
 //
 // Reduction. The 4 kl lanes of a column are summed with simd_shuffle_xor, the
 // simdgroups through threadgroup memory (sized for kGemvSimdgroups, filled
-// for the simdgroups actually launched: the kernel is correct with fewer, as
-// the pipeline may allow), then each (row, column) goes through the shared
-// epilogue (bias and one rounding, or an fp32 partial of the K split).
+// for the simdgroups actually launched: the kernel is correct with 1 to 8, and
+// the bridge launches fewer when a pipeline allows fewer threads:
+// csrc/core/metal_plan.cpp fit_threadgroup), then each (row, column) goes
+// through the shared epilogue (bias and one rounding, or an fp32 partial of
+// the K split), looping when there are fewer threads than outputs.
 #pragma once
 
 #include <metal_simdgroup>
@@ -81,7 +83,6 @@ template <typename T, WeightFormat F>
 [[kernel]] void marlin_gemv(MARLIN_GEMM_BUFFERS(T),
                             threadgroup float* sums [[threadgroup(0)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
-                            uint3 tgsize [[threads_per_threadgroup]],
                             uint tid [[thread_index_in_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint nsg [[simdgroups_per_threadgroup]],
@@ -167,8 +168,7 @@ template <typename T, WeightFormat F>
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   const MarlinOutput<T> out{y, partial, bias, M, N, tgid.y};
-  const uint nthreads = tgsize.x * tgsize.y * tgsize.z;
-  for (uint i = tid; i < rows * kGemvColumns; i += nthreads) {
+  for (uint i = tid; i < rows * kGemvColumns; i += nsg * kSimdWidth) {
     const uint m = i / kGemvColumns, col = i % kGemvColumns;
     float v = 0.0f;
     for (uint g = 0; g < nsg; ++g) v += sums[(g * rows + m) * kGemvColumns + col];

@@ -109,7 +109,9 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   if (gemv) {
     l.source = "gemv";
     l.kernel = "marlin_gemv_" + suffix;
-    l.threadgroup = {32 * kGemvSimdgroups, 1, 1};
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    // The GEMV splits its K slice over however many simdgroups it gets (down to one).
+    l.min_threads_x = kSimdWidth;
     l.grid = {ceil_div(n, kGemvColumns), splits, 1};
     l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(m));
   } else if (tiled) {

@@ -87,28 +87,21 @@ def test_gemv_every_row_count(fmt, m):
                    bias=(i % 2 == 0))
 
 
-def test_gemv_with_fewer_simdgroups(monkeypatch):
-    # The pipeline may allow fewer threads than planned: the GEMV reads its
-    # simdgroup count from simdgroups_per_threadgroup and gives the same result
-    # with 1, 2, 3 or 5 simdgroups (threadgroup memory stays sized for 8).
-    from torch_marlin.testing import metal
-
-    real_library = metal.library
-
-    class Shrunk:
-        def __init__(self, lib, threads):
-            self.lib, self.threads = lib, threads
-
-        def launch(self, name, **kw):
-            if name.startswith("marlin_gemv_"):
-                kw["threadgroup"] = (self.threads, 1, 1)
-            return self.lib.launch(name, **kw)
-
-    for threads in (32, 64, 96, 160):
-        monkeypatch.setattr(metal, "library", lambda src, t=threads: Shrunk(real_library(src), t))
-        for fmt, dtype, m, n, k, gs in (("fp4", torch.float16, 1, 83, 384, 32), ("uint4", torch.float32, 5, 64, 2048, -1),
-                                        ("int4", torch.bfloat16, 8, 40, 2048, 16)):
-            _check(fmt, dtype, m, n, k, gs, seed_base=threads + m)
+def test_gemv_with_fewer_simdgroups_k_split_and_tails():
+    # The GEMV on a pipeline allowing fewer threads (the bridge's rule,
+    # max_threads_per_threadgroup; test_metal_bridge_rules.py covers the rule
+    # itself) also with a K split, one group over K, and scalar loads (N = 83).
+    for threads, (fmt, dtype, m, n, k, gs) in zip((32, 64, 96, 160), (
+            ("fp4", torch.float16, 1, 83, 384, 32), ("uint4", torch.float32, 5, 64, 2048, -1),
+            ("int4", torch.bfloat16, 8, 40, 2048, 16), ("uint4", torch.float16, 2, 83, 2056, -1))):
+        gen = torch.Generator().manual_seed(threads)
+        packed, scales, zeros = make_weight(fmt, k, n, gs, gen=gen)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        ref = torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, gs)
+        out, plan, stats = run_metal_with_stats("gemm", x, packed, scales, zeros, None, fmt, gs,
+                                                max_threads_per_threadgroup=threads)
+        assert stats[0].threads_per_threadgroup == threads and (plan["splits"] > 1) == (k >= 2048)
+        assert rel_err(out, ref) <= GEMM_TOL[dtype]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
