@@ -123,6 +123,10 @@ inline constexpr int tiled_threadgroup_memory(int size) {
   return tiled_x_tile_bytes(size) + kGemmTileK * b_tile_stride() * 4;
 }
 
+// K-split reduction (metal/marlin_reduce.h): outputs per threadgroup (one per
+// planned thread).
+MARLIN_CONSTEXPR int kReduceOutputs = 256;
+
 // Standalone dequantize (metal/marlin_dequantize.h): threadgroup of
 // kDequantColumns x kDequantRows threads, one packed word each.
 MARLIN_CONSTEXPR int kDequantColumns = 32;

@@ -149,8 +149,9 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     r.source = "reduce";
     r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
     r.set(kFcHasBias, has_bias);
-    r.threadgroup = {256, 1, 1};
-    r.grid = {ceil_div(m * n, 256), 1, 1};
+    r.threadgroup = {kReduceOutputs, 1, 1};
+    r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
+    r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
     r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
                   scalar(5, splits, "splits")};
     check_launch(r);
