@@ -608,33 +608,33 @@ typedef atomic<bool> atomic_bool;
 typedef atomic<ulong> atomic_ulong;
 
 #define MSLSIM_AP(obj) (const_cast<T*>(&(obj)->v))
-template <class T> inline void atomic_store_explicit(volatile atomic<T>* o, T x, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline void atomic_store_explicit(volatile atomic<T>* o, T x, memory_order) {
   __atomic_store(MSLSIM_AP(o), &x, __ATOMIC_SEQ_CST);
 }
-template <class T> inline T atomic_load_explicit(volatile atomic<T>* o, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline T atomic_load_explicit(volatile atomic<T>* o, memory_order) {
   mslsim_yield();  // lets spin-waits on other threads make progress
   T r;
   __atomic_load(MSLSIM_AP(o), &r, __ATOMIC_SEQ_CST);
   return r;
 }
-template <class T> inline T atomic_exchange_explicit(volatile atomic<T>* o, T x, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline T atomic_exchange_explicit(volatile atomic<T>* o, T x, memory_order) {
   T r;
   __atomic_exchange(MSLSIM_AP(o), &x, &r, __ATOMIC_SEQ_CST);
   return r;
 }
 template <class T>
-inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order,
+MSLSIM_NO_TSAN inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order,
                                                   memory_order) {
   bool ok = __atomic_compare_exchange(MSLSIM_AP(o), expected, &desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   if (!ok) mslsim_yield();
   return ok;
 }
 template <class T>
-inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order a,
+MSLSIM_NO_TSAN inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order a,
                                                     memory_order b) {
   return atomic_compare_exchange_weak_explicit(o, expected, desired, a, b);
 }
-template <class T, class F> inline T mslsim_atomic_rmw(volatile atomic<T>* o, F f) {
+template <class T, class F> MSLSIM_NO_TSAN inline T mslsim_atomic_rmw(volatile atomic<T>* o, F f) {
   T old;
   __atomic_load(MSLSIM_AP(o), &old, __ATOMIC_SEQ_CST);
   while (true) {
@@ -643,7 +643,7 @@ template <class T, class F> inline T mslsim_atomic_rmw(volatile atomic<T>* o, F 
   }
 }
 #define MSLSIM_ARMW(name, EXPR)                                                                       \
-  template <class T, class U> inline T atomic_##name##_explicit(volatile atomic<T>* o, U arg, memory_order) { \
+  template <class T, class U> MSLSIM_NO_TSAN inline T atomic_##name##_explicit(volatile atomic<T>* o, U arg, memory_order) { \
     T a = static_cast<T>(arg);                                                                        \
     return mslsim_atomic_rmw(o, [a](T x) { return static_cast<T>(EXPR); });                          \
   }
