@@ -558,6 +558,10 @@ def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # n
             _build(parsed, key, name, cxx, flags, so)
     except MSLSimError as e:
         build_error = e
+    except BaseException:
+        if strict_job:
+            _strict.cancel(strict_job)
+        raise
     errors = _strict.finish(strict_job) if strict_job else []
     if errors:  # more precise than the C++ compiler's view of the same code
         raise MSLSimError(_rejected(name, errors)) from None

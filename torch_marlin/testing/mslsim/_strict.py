@@ -5,7 +5,7 @@ macros, so it accepts code that Metal refuses. This pass closes that gap:
 
 * restrictions of the MSL specification checked on the preprocessed tokens
   (C++ features Metal does not have): `double`, `goto`, `new` / `delete`,
-  `virtual`, `try` / `catch` / `throw`, `thread_local`, `typeid`,
+  `virtual`, `try` / `catch` / `throw`, `thread_local`, `register`, `typeid`,
   `dynamic_cast`, the C++ standard library (`std::` names and standard or
   system headers other than Metal's own);
 * address spaces, with clang (`clang -fsyntax-only`-like, see
@@ -49,6 +49,7 @@ _FORBIDDEN = {
     "catch": "exceptions are not supported in Metal ('catch')",
     "throw": "exceptions are not supported in Metal ('throw')",
     "thread_local": "'thread_local' is not supported in Metal",
+    "register": "the 'register' storage class is not supported in Metal",
     "typeid": "run-time type information is not supported in Metal ('typeid')",
     "dynamic_cast": "run-time type information is not supported in Metal ('dynamic_cast')",
 }
@@ -158,8 +159,7 @@ _AS_METHOD = re.compile(r"\)(\s*(?:const\s+)?)\b(device|threadgroup|constant|thr
 @dataclass
 class StrictUnit:
     text: str
-    as_methods: bool = False
-    kernels: list = field(default_factory=list)
+    as_methods: bool = False  # the source has address-space-qualified member functions
 
 
 def strict_unit(parsed) -> StrictUnit:
@@ -171,7 +171,7 @@ def strict_unit(parsed) -> StrictUnit:
     keep = ['# 1 "<mslsim-strict>"']
     for i, k in enumerate(parsed.kernels):
         keep.append(f'extern "C" __attribute__((used)) void* const mslsim_keep_{i} = (void*)&{k.expr};')
-    return StrictUnit(text + "\n" + "\n".join(keep) + "\n", n > 0, list(parsed.kernels))
+    return StrictUnit(text + "\n" + "\n".join(keep) + "\n", n > 0)
 
 
 # ------------------------------------------------------------- diagnostics
@@ -403,6 +403,13 @@ def start(unit: StrictUnit, clang, workdir: str):
     return (unit, clang, src, ll, proc)
 
 
+def cancel(job):
+    _, _, src, ll, proc = job
+    proc.kill()
+    proc.communicate()
+    _remove(src, ll)
+
+
 def finish(job) -> list:
     """Errors of the strict pass (address spaces, recursion) as rendered strings."""
     unit, clang, src, ll, proc = job
@@ -422,11 +429,15 @@ def finish(job) -> list:
             return [d.render() for d in errors]
         return recursion_errors(ir) if ir else []
     finally:
-        for p in (src, ll, src[:-4] + ".plain.ll"):
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
+        _remove(src, ll, src[:-4] + ".plain.ll")
+
+
+def _remove(*paths):
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
 
 
 def _read(p):
@@ -440,7 +451,9 @@ def _read(p):
 def cache_key(pp: str, clang_id: str) -> str:
     h = hashlib.sha256()
     h.update(pp.encode())
-    for p in (STRICT_HEADER, os.path.abspath(__file__), os.path.join(_PKG, "_frontend.py")):
+    shim = os.path.dirname(STRICT_HEADER)
+    for p in [os.path.abspath(__file__), os.path.join(_PKG, "_frontend.py")] + [
+            os.path.join(shim, n) for n in sorted(os.listdir(shim))]:
         with open(p, "rb") as f:
             h.update(f.read())
     h.update(clang_id.encode())

@@ -12,45 +12,7 @@ using ::ulong;
 template <class T, int N> using vec = ::mslsim::vec<T, N>;
 
 // ------------------------------------------------------------------- traits
-using std::conditional;
-using std::conditional_t;
-using std::enable_if;
-using std::enable_if_t;
-using std::integral_constant;
-using std::bool_constant;
-using std::true_type;
-using std::false_type;
-using std::is_same;
-using std::is_same_v;
-using std::remove_cv;
-using std::remove_cv_t;
-using std::remove_reference;
-using std::remove_reference_t;
-using std::decay;
-using std::decay_t;
-using std::is_void_v;
-using std::is_pointer_v;
-using std::is_const_v;
-using std::is_convertible_v;
-using std::is_convertible;
-using std::make_unsigned_t;
-using std::make_signed_t;
-using std::void_t;
-using std::declval;
-template <class T> struct is_floating_point : std::is_floating_point<T> {};
-template <> struct is_floating_point<half> : std::true_type {};
-template <> struct is_floating_point<bfloat> : std::true_type {};
-template <class T> constexpr bool is_floating_point_v = is_floating_point<T>::value;
-template <class T> struct is_integral : std::is_integral<T> {};
-template <class T> constexpr bool is_integral_v = is_integral<T>::value;
-template <class T> struct is_arithmetic : std::bool_constant<std::is_arithmetic_v<T> || mslsim::is_fp16<T>::value> {};
-template <class T> constexpr bool is_arithmetic_v = is_arithmetic<T>::value;
-template <class T> struct is_signed : std::bool_constant<std::is_signed_v<T> || mslsim::is_fp16<T>::value> {};
-template <class T> constexpr bool is_signed_v = is_signed<T>::value;
-template <class T> struct is_unsigned : std::is_unsigned<T> {};
-template <class T> constexpr bool is_unsigned_v = is_unsigned<T>::value;
-template <class T> struct is_scalar : std::bool_constant<mslsim::is_scalar_like_v<T>> {};
-template <class T> constexpr bool is_scalar_v = is_scalar<T>::value;
+#include "metal_traits.inc"
 template <class T> struct is_vector : mslsim::is_vec<T> {};
 template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 
