@@ -126,6 +126,11 @@ def test_valid_msl_compiles_and_runs():
     lib.launch("valid_matrix", grid=(1,), threadgroup=(32,), args={0: a, 1: b, 2: c})
     torch.testing.assert_close(c, a @ b)
 
+    x = torch.randn(16)
+    y = x.clone()
+    lib.launch("valid_deduced_space", grid=(1,), threadgroup=(16,), args={0: y})
+    assert torch.equal(y, 2 * x)
+
 
 def test_existing_kernels_pass_the_strict_check():
     for f in ("basic", "gemm", "special", "expressions", "mlx_style", "broken", "races"):

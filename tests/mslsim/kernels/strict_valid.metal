@@ -84,3 +84,12 @@ kernel void valid_matrix(device const float* a [[buffer(0)]],
   simdgroup_multiply_accumulate(mc, ma, mb, mc);
   simdgroup_store(mc, out, 8);
 }
+
+// T is deduced with its address space (device float): a thread copy of the value needs remove_address_space
+template <typename T> inline float twice(T* p) {
+  remove_address_space_t<T> v = p[0];
+  return v * 2.0f;
+}
+kernel void valid_deduced_space(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+  x[i] = twice(x + i);
+}

@@ -112,6 +112,11 @@ template <class T, int N> using vec = typename mslsim_strict::vec_sel<T, N>::typ
 using ::mslsim_mk;
 
 #include "metal_traits.inc"
+#if MSLSIM_STRICT_AS
+template <class T> struct remove_address_space<device T> { typedef T type; };
+template <class T> struct remove_address_space<constant T> { typedef T type; };
+template <class T> struct remove_address_space<threadgroup T> { typedef T type; };
+#endif
 template <class T> struct is_vector : std::false_type {};
 template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 template <class T> struct numeric_limits : std::numeric_limits<T> {};
