@@ -18,5 +18,4 @@ STRICT = True if (_strict.find_clang()[0] or os.environ.get("CI")) else None
 
 @pytest.mark.parametrize("source", SOURCES, ids=[p.name for p in SOURCES])
 def test_strict_check(source):
-    lib = mslsim.compile(str(source), include_dirs=(str(metal_dir()),), strict=STRICT)
-    assert lib.kernels()
+    mslsim.compile(str(source), include_dirs=(str(metal_dir()),), strict=STRICT)

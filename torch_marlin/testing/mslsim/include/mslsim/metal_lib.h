@@ -3,12 +3,6 @@
 
 namespace metal {
 
-using ::half;
-using ::bfloat;
-using ::uint;
-using ::ushort;
-using ::uchar;
-using ::ulong;
 template <class T, int N> using vec = ::mslsim::vec<T, N>;
 
 // ------------------------------------------------------------------- traits
@@ -631,16 +625,4 @@ MSLSIM_ARMW(fetch_xor, x ^ a)
 #define MSLSIM_FC(name, ...)  \
   __VA_ARGS__ name = __VA_ARGS__(); \
   bool mslsim_fcdef_##name = false
-#define is_function_constant_defined(x) (mslsim_fcdef_##x)
-
-#define M_PI_F 3.14159265358979323846f
-#define M_PI_H half(3.14159265358979323846f)
-#define M_E_F 2.71828182845904523536f
-#define M_LN2_F 0.693147180559945309417f
-#define M_LOG2E_F 1.44269504088896340736f
-#define M_SQRT2_F 1.41421356237309504880f
-#define MAXFLOAT FLT_MAX
-#define HUGE_VALF __builtin_huge_valf()
-#define INFINITY __builtin_inff()
-#define NAN __builtin_nanf("")
-#define MAXHALF half(65504.0f)
+#include "metal_constants.inc"

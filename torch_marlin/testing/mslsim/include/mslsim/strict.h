@@ -102,12 +102,6 @@ typedef mslsim_strict::boolvec<4> bool4;
 template <class V, class... A> V mslsim_mk(A...);
 
 namespace metal {
-using ::half;
-using ::bfloat;
-using ::uint;
-using ::ushort;
-using ::uchar;
-using ::ulong;
 template <class T, int N> using vec = typename mslsim_strict::vec_sel<T, N>::type;
 using ::mslsim_mk;
 
@@ -294,20 +288,9 @@ MSLSIM_STRICT_RMW(fetch_and) MSLSIM_STRICT_RMW(fetch_or) MSLSIM_STRICT_RMW(fetch
 #define MSLSIM_FC(name, ...) \
   constant __VA_ARGS__ name = __VA_ARGS__(); \
   bool mslsim_fcdef_##name = false
-#define is_function_constant_defined(x) (mslsim_fcdef_##x)
 template <class T> threadgroup T& mslsim_threadgroup_variable();
 #define MSLSIM_TG_DECL(name, dims, ...)           \
   typedef __VA_ARGS__ mslsim_tgt_##name dims;      \
   threadgroup mslsim_tgt_##name& name = mslsim_threadgroup_variable<mslsim_tgt_##name>()
 
-#define M_PI_F 3.14159265358979323846f
-#define M_PI_H ((half)3.14159265358979323846f)
-#define M_E_F 2.71828182845904523536f
-#define M_LN2_F 0.693147180559945309417f
-#define M_LOG2E_F 1.44269504088896340736f
-#define M_SQRT2_F 1.41421356237309504880f
-#define MAXFLOAT FLT_MAX
-#define HUGE_VALF __builtin_huge_valf()
-#define INFINITY __builtin_inff()
-#define NAN __builtin_nanf("")
-#define MAXHALF ((half)65504.0f)
+#include "metal_constants.inc"
