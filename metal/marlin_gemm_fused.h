@@ -63,7 +63,7 @@ template <typename T, WeightFormat F, int TM>
     if (k0 + kGemmTileK < k_end)
       marlin_load_x_tile<T, TM>(x_tiles + (buf ^ 1) * XS, x, m0, k0 + kGemmTileK, M, K, k_end, tid);
     const threadgroup T* a = x_tiles + buf * XS;
-    // A stage lies in one group (groups are >= 2 packed rows = kGemmTileK).
+    // A stage lies in one group (the smallest group, 16 K, is one stage: marlin_common.h).
     MarlinParams params[2];
     for (int j = 0; j < 2; ++j)
       params[j] = n_lane[j] < N ? marlin_load_params<F>(scales, zeros, marlin_group_of(k0 / 8), n_lane[j], N)
