@@ -38,6 +38,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
+from .linear import is_conv1d
+
 
 class CalibrationError(ValueError):
     """The calibration data cannot be used (empty, rejected by the model, NaN/Inf activations)."""
@@ -344,15 +346,16 @@ def _steps_fit_blocks(steps: List[List[str]], block_of: Dict[str, Optional[int]]
     return None not in span and span == sorted(span)
 
 
-def _dense_stand_in(quantized: nn.Module, linear: nn.Linear) -> nn.Linear:
-    """nn.Linear computing what `quantized` (a MarlinLinear, maybe with input_perm) computes."""
+def _dense_stand_in(quantized: nn.Module, linear: nn.Module) -> nn.Linear:
+    """nn.Linear computing what `quantized` (a MarlinLinear, maybe with input_perm) computes;
+    `linear` (nn.Linear or Conv1D) gives the bias and dtype."""
     weight = quantized.dequantize(torch.float32)
     perm = getattr(quantized, "input_perm", None)
     if perm is not None:
         unpermuted = torch.empty_like(weight)
         unpermuted[:, perm.long()] = weight
         weight = unpermuted
-    stand_in = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+    stand_in = nn.Linear(quantized.in_features, quantized.out_features, bias=linear.bias is not None,
                          device="meta")
     stand_in.weight = nn.Parameter(weight.to(linear.weight.dtype), requires_grad=False)
     if linear.bias is not None:
@@ -429,7 +432,8 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
 def _run_step(runner: _Runner, step: List[str], targets, once, finish, run) -> None:
     """Accumulate the Hessian of one step's input with `run(hooks)`, then quantize the step."""
     first = targets[step[0]]
-    hessian = torch.zeros(first.in_features, first.in_features, dtype=torch.float32, device=runner.device)
+    in_features = first.weight.shape[0] if is_conv1d(first) else first.in_features
+    hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=runner.device)
     seen = {"rows": 0}
 
     def accumulate(module, args, kwargs):

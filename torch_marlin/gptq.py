@@ -433,14 +433,14 @@ def gptq_linear(linear, weight_format: str = "fp4", group_size: int = 128, hessi
     from torch import nn
 
     from .hf.modules import PermutedInputMarlinLinear
-    from .linear import MarlinLinear
+    from .linear import MarlinLinear, is_conv1d, linear_weight
 
-    if not isinstance(linear, nn.Linear):
-        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+        raise TypeError(f"linear must be an nn.Linear (or transformers Conv1D), got {type(linear).__name__}")
     if hessian is None:
         raise ValueError("method='gptq' needs hessian=H, the [in_features, in_features] matrix "
                          "mean(x x^T) of the layer's inputs (or use quantize_model(..., calibration=...))")
-    result = gptq_quantize(linear.weight.detach(), hessian, weight_format, group_size, act_order=act_order,
+    result = gptq_quantize(linear_weight(linear.weight.detach(), is_conv1d(linear)), hessian, weight_format, group_size, act_order=act_order,
                            damp=damp, block_size=block_size, refine_rounds=refine_rounds)
     bias = None if linear.bias is None else linear.bias.detach().cpu()
     module = MarlinLinear.from_quantized(result.qweight, bias)
@@ -459,12 +459,12 @@ def gptq_linear(linear, weight_format: str = "fp4", group_size: int = 128, hessi
 def quantize_model_gptq(model, targets, report, weight_format: str, group_size: int, calibration,
                         act_order: bool = False, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
                         refine_rounds: int = DEFAULT_REFINE_ROUNDS) -> None:
-    """quantize_model(method="gptq"): sequential GPTQ of `targets` ({name: nn.Linear}), filling `report`."""
+    """quantize_model(method="gptq"): sequential GPTQ of `targets` ({name: nn.Linear or Conv1D}), filling `report`."""
     import time
     import warnings
 
     from .calibration import quantize_sequentially
-    from .linear import MarlinLinear
+    from .linear import MarlinLinear, is_conv1d, linear_weight
     from .quantize import quantize_weight
 
     check_options(weight_format, group_size, act_order, damp, block_size, refine_rounds)
@@ -476,8 +476,9 @@ def quantize_model_gptq(model, targets, report, weight_format: str, group_size: 
         if quantized.damp > damp:
             warnings.warn(f"layer {name!r}: its Hessian needed damp={quantized.damp:g} (asked {damp:g}) "
                           f"to be positive definite; more or more varied calibration data helps", stacklevel=4)
-        rtn = quantize_weight(linear.weight.detach(), weight_format, group_size, "mse")
-        report.output_errors[name] = (output_error(linear.weight, rtn.dequantize(), hessian.float()),
+        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+        rtn = quantize_weight(weight, weight_format, group_size, "mse")
+        report.output_errors[name] = (output_error(weight, rtn.dequantize(), hessian.float()),
                                       quantized.output_error)
         report.record(name, linear, quantized)
         return quantized

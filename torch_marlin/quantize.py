@@ -11,64 +11,19 @@ through the same `Quantizer` interface and `register_quantizer`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import formats
-from .formats import E2M1_VALUES, INT4_OFFSET
+from .formats import E2M1_VALUES, FP16_MAX, INT4_OFFSET
+from .layouts.dense import QuantizedWeight
 
 # Rows of N quantized at once: bounds the search's temporary memory.
 _ROW_CHUNK_ELEMENTS = 1 << 20
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _REFIT_ROUNDS = 2
-_FP16_MAX = 65504.0
 _FP16_TINY = 2.0 ** -14  # smallest normal fp16: keeps w / scale finite
-
-
-@dataclass
-class QuantizedWeight:
-    """A packed weight and what is needed to interpret it (docs/FORMAT.md)."""
-
-    packed: torch.Tensor  # int32 [K/8, N], K padded
-    scales: torch.Tensor  # fp16 [G, N]
-    zeros: Optional[torch.Tensor]  # fp16 [G, N] for uint4, else None
-    weight_format: str
-    group_size: int
-    in_features: int  # unpadded K
-    out_features: int  # N
-    relative_error: float = float("nan")  # ||W - Wq|| / ||W|| when quantized from floats
-
-    @property
-    def padded_in_features(self) -> int:
-        return self.packed.shape[0] * formats.PACK_FACTOR
-
-    @classmethod
-    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
-                   in_features=None, out_features=None) -> "QuantizedWeight":
-        """Pack codes [K, N] (0..15) with their scales/zeros [G, N]; validates everything."""
-        packed = formats.pack_codes(codes)
-        k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
-        in_features = k if in_features is None else int(in_features)
-        out_features = n if out_features is None else int(out_features)
-        if not (0 < in_features <= k and k - in_features < formats.padded_in_features(1, group_size)):
-            raise ValueError(f"in_features={in_features} does not fit packed K={k}")
-        if out_features != n:
-            raise ValueError(f"out_features={out_features} must equal N={n}")
-        return cls(packed, scales.contiguous(), None if zeros is None else zeros.contiguous(),
-                   weight_format, group_size, in_features, out_features)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """The weight W as [N, in_features] (reference path, float64 inside)."""
-        b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
-                                         self.weight_format, self.group_size, dtype)
-        return b[: self.in_features].t()
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.packed, self.scales] + ([self.zeros] if self.zeros is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 Quantizer = Callable[[torch.Tensor, str, int], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
@@ -101,13 +56,14 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
     gs = formats.effective_group_size(kp, group_size)
     codes = torch.empty(n, kp, dtype=torch.uint8)
     scales = torch.empty(n, kp // gs, dtype=torch.float16)
-    zeros = torch.empty_like(scales) if weight_format == "uint4" else None
+    zeros = torch.empty_like(scales) if formats.has_zeros(weight_format) else None
     err2 = norm2 = 0.0
     # Row blocks of ~1M weights, converted to float32 one at a time: memory
-    # beyond the weight is its uint8 codes plus one block's scratch.
+    # beyond the weight is its uint8 codes plus one block's scratch. Contiguous,
+    # because a transposed view (GPT-2 Conv1D) makes torch.bucketize warn.
     rows = max(1, _ROW_CHUNK_ELEMENTS // kp)
     for r0 in range(0, n, rows):
-        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32)
+        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32).contiguous()
         if not torch.isfinite(block).all():
             raise ValueError("weight contains NaN or Inf")
         chunk = torch.nn.functional.pad(block, (0, kp - k)).view(-1, kp // gs, gs)
@@ -122,6 +78,15 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
                                    weight_format, group_size, in_features=k, out_features=n)
     q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
     return q
+
+
+def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
+    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
+
+    An fp4-only shorthand; `quantize_weight` is the general form.
+    """
+    q = quantize_weight(weight, "fp4", group_size)
+    return q.packed, q.scales
 
 
 # --- per-format rounding -------------------------------------------------------------
@@ -148,7 +113,7 @@ def _reconstruct(codes, scales, zeros, weight_format):
 
 
 def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
-    return s.clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)
+    return s.clamp(_FP16_TINY, FP16_MAX).to(torch.float16)
 
 
 # The search evaluates ~40 candidate (scale, zero) pairs per group. It keeps only
@@ -236,7 +201,7 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
             ok = (var > 0) & (a > _FP16_TINY)
             new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
             b = w_mean - a * q_mean
-            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-_FP16_MAX, _FP16_MAX)
+            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-FP16_MAX, FP16_MAX)
             scale, zero = new_scale, new_zero.to(torch.float16)
     scale, zero = best[1], best[2]
     codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
@@ -245,7 +210,7 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
 
 def _rtn(search: bool) -> Quantizer:
     def quantize(groups, weight_format, group_size):
-        if weight_format == "uint4":
+        if formats.has_zeros(weight_format):
             return _asymmetric(groups, weight_format, search)
         return _symmetric(groups, weight_format, search)
     return quantize

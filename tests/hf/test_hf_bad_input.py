@@ -14,7 +14,7 @@ from hf_helpers import leftovers, load_float
 from torch_marlin.cli import main as cli_main
 from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
-from torch_marlin.hf.safetensors_io import CheckpointError
+from torch_marlin.hf.errors import CheckpointError
 
 
 @pytest.fixture

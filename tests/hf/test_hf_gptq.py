@@ -209,3 +209,33 @@ def test_block_by_block_equals_running_the_whole_model(monkeypatch, arch):
     assert states[0].keys() == states[1].keys()
     for key in states[0]:
         assert torch.equal(states[0][key], states[1][key]), key
+
+
+def test_quantize_model_gptq_on_conv1d_equals_the_same_layers_as_nn_linear(tiny_model_dir):
+    """GPT-2's Conv1D layers (weight stored [in, out]) are GPTQ targets of quantize_model; the
+    result is the one for the same weights held by nn.Linear (weight [out, in])."""
+    from torch import nn
+
+    from torch_marlin.linear import is_conv1d
+
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    with_conv = load_float(tiny_model_dir("gpt2"))
+    with_linear = load_float(tiny_model_dir("gpt2"))
+    convs = [n for n, m in with_linear.named_modules() if is_conv1d(m)]
+    assert convs
+    for name in convs:
+        conv = with_linear.get_submodule(name)
+        linear = nn.Linear(conv.weight.shape[0], conv.weight.shape[1])
+        linear.weight = nn.Parameter(conv.weight.detach().t().contiguous())
+        linear.bias = conv.bias
+        with_linear.set_submodule(name, linear)
+    reports = [torch_marlin.quantize_model(m, "int4", 32, method="gptq", calibration=batches, exclude=["lm_head"],
+                                           act_order=True) for m in (with_conv, with_linear)]
+    assert reports[0].replaced == reports[1].replaced and set(convs) <= set(reports[0].replaced)
+    assert reports[0].output_errors == reports[1].output_errors
+    for name in convs:
+        a, b = with_conv.get_submodule(name), with_linear.get_submodule(name)
+        assert isinstance(a, PermutedInputMarlinLinear)
+        for key, value in a.state_dict().items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b.state_dict()[key]), (name, key)

@@ -31,10 +31,11 @@ from torch import nn
 from .. import formats
 from ..calibration import CalibrationError
 from ..gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP
-from ..model import QuantizationReport, quantize_model
+from ..model import QuantizationReport, matches_any, quantize_model
 from .config import build_quantization_config
-from .layout import layout_of_model, matches_any
-from .safetensors_io import CheckpointError
+from .layout import layout_of_model
+from .convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_paths
+from .errors import CheckpointError
 
 DEFAULT_SAMPLES = 128
 DEFAULT_LENGTH = 512
@@ -163,9 +164,6 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
     write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact)."""
-    # Shared with the streaming converter.
-    from ..convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_paths
-
     start = time.time()
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
@@ -249,8 +247,6 @@ def _load_float_model(src: str, transformers, run_dtype: torch.dtype):
         raise CheckpointError(f"{src} is already quantized ({method}); --method gptq needs a float model")
     model_class = next((getattr(transformers, a) for a in config.get("architectures") or []
                         if hasattr(transformers, a)), transformers.AutoModel)
-    from ..convert import DTYPES
-
     source_dtype = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)
     model = model_class.from_pretrained(src, dtype=run_dtype, local_files_only=True)
     return model.eval(), source_dtype
