@@ -1,4 +1,16 @@
-"""Sequential calibration: collect each linear layer's input Hessian and quantize it with GPTQ.
+"""Sequential calibration: collect each linear layer's input Hessian and hand it to a quantizer.
+
+The engine knows nothing about GPTQ: `quantize_sequentially(model, targets,
+calibration, quantize_layer, quantize_unreached)` calls
+`quantize_layer(name, layer, H)` for each target (an nn.Linear or a
+transformers Conv1D) with `H = mean(x x^T)`, float64 `[in_features,
+in_features]` on the CPU, over the unpadded input rows the layer saw, and puts
+the module it returns in the layer's place. That module must have
+`in_features`, `out_features` and `dequantize(dtype) -> [out, in]` (and may
+have an int `input_perm` of its input columns, as PermutedInputMarlinLinear):
+until the end the model runs an nn.Linear holding that dequantized weight.
+torch_marlin.gptq uses it for GPTQ; a pruner (SparseGPT) or any other
+Hessian-based method can use it unchanged.
 
 Layers are quantized in the order the model first calls them, each on the
 inputs it receives from the model with all earlier layers already quantized.
@@ -367,9 +379,10 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
                           quantize_layer: Callable[[str, nn.Module, torch.Tensor], nn.Module],
                           quantize_unreached: Callable[[str, nn.Module], nn.Module],
                           use_blocks: bool = True) -> CalibrationStats:
-    """Quantize `targets` ({qualified name: nn.Linear} of `model`) in forward order.
+    """Quantize `targets` ({qualified name: nn.Linear or Conv1D of `model`}) in forward order.
 
-    quantize_layer(name, linear, hessian) returns the replacement module (a MarlinLinear).
+    quantize_layer(name, linear, hessian) returns the replacement module (a MarlinLinear,
+    or any module meeting the contract in the module docstring); hessian is float64 [K, K].
     Until the end, later steps run through an nn.Linear holding its dequantized weight:
     the same function, computed by the float GEMM, which is faster than the 4-bit
     kernel on calibration-sized batches. Layers the calibration never reaches are

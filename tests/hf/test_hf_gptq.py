@@ -126,6 +126,8 @@ def test_cli_gptq_bad_input(model_with_tokenizer, tiny_model_dir, tmp_path, caps
     assert cli_main(["convert", src, dst, "--method", "gptq"]) == 2
     assert cli_main(["convert", src, dst, "--calibration", data]) == 2
     assert "--method gptq and --calibration FILE go together" in capsys.readouterr().err
+    assert cli_main(["convert", src, dst, "--method", "gptq", "--calibration", data, "--revision", "main"]) == 2
+    assert "--method gptq takes a local model directory" in capsys.readouterr().err
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"txt": "no"}) + "\n")
     empty = tmp_path / "empty.txt"
