@@ -17,5 +17,9 @@ TORCH_LIBRARY(marlin, m) {
   m.def(
       "dequantize(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, "
       "int group_size, ScalarType? dtype=None) -> Tensor");
+  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
+  m.def(
+      "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
+      "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
   m.def("_metal_plan(str op, Tensor packed, Tensor scales, Tensor? zeros, Tensor? x, Tensor? bias, str weight_format, int group_size, ScalarType? dtype=None) -> str");
 }

@@ -25,14 +25,18 @@ WeightFormat parse_weight_format(const std::string& weight_format) {
                     weight_format, "'");
 }
 
+void check_group_size(int64_t group_size) {
+  TORCH_CHECK_VALUE(group_size == -1 || group_size == 16 || group_size == 32 || group_size == 64 ||
+                        group_size == 128 || group_size == 256,
+                    "group_size must be one of (16, 32, 64, 128, 256, -1), got ", group_size);
+}
+
 QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& zeros,
                                const std::string& weight_format, int64_t group_size) {
   QuantizedShape s{};
   s.format = parse_weight_format(weight_format);
-  TORCH_CHECK_VALUE(group_size == -1 || group_size == 16 || group_size == 32 || group_size == 64 ||
-                        group_size == 128 || group_size == 256,
-                    "group_size must be one of (16, 32, 64, 128, 256, -1), got ", group_size);
+  check_group_size(group_size);
   TORCH_CHECK(packed.scalar_type() == at::kInt, "packed must be int32, got ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [K/8, N], got shape ", packed.sizes());
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");

@@ -24,6 +24,7 @@ struct QuantizedShape {
 };
 
 WeightFormat parse_weight_format(const std::string& weight_format);
+void check_group_size(int64_t group_size);
 
 // Checks packed/scales/zeros against docs/FORMAT.md and each other.
 QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,

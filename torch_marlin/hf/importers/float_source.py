@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-import torch
-
 from ...quantize import quantize_weight
 from ..layout import ModelLayout, float_linear_modules, matches_any
 from ..safetensors_io import CheckpointError
@@ -52,9 +50,10 @@ class FloatSource(Importer):
         model_name = self.layout.resolve(module, self.layout.linears)
         if self.layout.linears[model_name].kind == "conv1d":
             weight = weight.t()  # Conv1D stores [in, out]; nn.Linear convention is [out, in]
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
-        q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+        try:  # the quantizer finds NaN and Inf while it reads the weight
+            q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+        except ValueError as e:
+            raise CheckpointError(f"{plan.keys[0]}: {e}") from e
         return ConvertedLayer(q, relative_error=q.relative_error)
 
     def description(self) -> dict:

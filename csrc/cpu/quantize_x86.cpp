@@ -1,0 +1,52 @@
+// The quantizer's x86-64 builds, AVX-512 and AVX2 (+F16C); quantize.cpp picks
+// one at run time. Elsewhere both names forward to the portable build.
+#include "cpu/quantize_args.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MARLIN_QUANT_F16C 1
+
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,f16c")
+#endif
+#define MARLIN_QUANT_NS avx512
+#include "cpu/quantize_impl.h"
+#undef MARLIN_QUANT_NS
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+#endif
+#define MARLIN_QUANT_NS avx2
+#include "cpu/quantize_impl.h"
+#undef MARLIN_QUANT_NS
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+#else
+#define MARLIN_FORWARD_TO_GENERIC(NS)                                                          \
+  namespace NS {                                                                               \
+  int64_t quantize_scratch_floats(const QuantizeArgs& a) { return generic::quantize_scratch_floats(a); } \
+  QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float* scratch) {  \
+    return generic::quantize_rows(a, n0, n1, scratch);                                         \
+  }                                                                                            \
+  }
+namespace marlin {
+namespace cpu {
+MARLIN_FORWARD_TO_GENERIC(avx512)
+MARLIN_FORWARD_TO_GENERIC(avx2)
+}  // namespace cpu
+}  // namespace marlin
+#endif
