@@ -9,15 +9,16 @@
 // x[i + n/2], zero-padded to a power of two). tests/test_quantize_native.py
 // checks the equality.
 //
-// A group of up to 256 weights is held in 16-lane vectors (registers) while
-// its ~40 candidates are tried; the rare longer groups (group_size=-1) run the
-// same code on vectors in scratch memory, with a lane mask for the padding.
+// A group of up to 256 weights is held in vectors of the ISA's width
+// (registers) while its ~40 candidates are tried; the rare longer groups
+// (group_size=-1) run the same code on vectors in scratch memory, with a lane
+// mask for the padding. The sum order does not depend on the vector width.
 //
 // Like kernels_impl.h this includes no C++ library headers and keeps its
 // helpers in an anonymous namespace, so the ISA builds cannot mix (ODR).
 //
-// Usage: define MARLIN_QUANT_NS (and MARLIN_QUANT_F16C=1 where F16C exists),
-// then include this file.
+// Usage: define MARLIN_QUANT_NS, MARLIN_QUANT_LANES (floats per register) and
+// MARLIN_QUANT_F16C=1 where F16C exists, then include this file.
 #include <stdint.h>
 #include <string.h>
 
@@ -38,19 +39,25 @@ namespace cpu {
 namespace MARLIN_QUANT_NS {
 namespace {
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef float v4f __attribute__((vector_size(16)));
+#ifndef MARLIN_QUANT_LANES
+#define MARLIN_QUANT_LANES 4  // one 128-bit register (SSE2, NEON)
+#endif
+constexpr int kLanes = MARLIN_QUANT_LANES;  // floats per vector: the ISA's register width
+
+typedef float vf __attribute__((vector_size(4 * kLanes)));
+typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
+typedef uint8_t vb __attribute__((vector_size(kLanes)));
 typedef float v2f __attribute__((vector_size(8)));
+typedef float v4f __attribute__((vector_size(16)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
 typedef short v8h __attribute__((vector_size(16)));
 
 // The constants of quantize.py.
 constexpr float kFp16Max = 65504.0f;
 constexpr float kFp16Tiny = 6.103515625e-05f;  // 2^-14
 constexpr float kMinDenominator = 1e-30f;      // clamp_min(1e-30) of the refits
-constexpr int kMaxVectors = 16;                // 256 weights: the largest group kept in registers
+constexpr int kMaxGroup = 256;                 // the longest group kept in registers
 
 // --- fp16 -------------------------------------------------------------------------------
 
@@ -100,24 +107,24 @@ inline float fp16_round(float f) { return fp16_value(fp16_bits(f)); }
 // torch.clamp(x, lo, hi) of a number.
 inline float clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ? hi : x); }
 
-// --- 16-lane vectors ----------------------------------------------------------------------
+// --- vectors ------------------------------------------------------------------------------
 
-inline v16f splat(float f) { return v16f{f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
-inline v16i splat_i(int32_t i) { return v16i{} + i; }
-inline v16f load16(const float* p) {
-  v16f v;
+inline vf splat(float f) { return f - vf{}; }  // x - (+0) is x, -0 included: a broadcast
+inline vi splat_i(int32_t i) { return vi{} + i; }
+inline vf load_vector(const float* p) {
+  vf v;
   memcpy(&v, p, sizeof(v));
   return v;
 }
-inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
-inline v16f vmin(v16f a, v16f b) { return a < b ? a : b; }
-inline v16f bit_and(v16f a, v16i m) { return (v16f)((v16i)a & m); }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline vf bit_and(vf a, vi m) { return (vf)((vi)a & m); }
 
 // round(x).clamp(lo, hi) for integer lo, hi: clamping first is the same (up
 // to the sign of a zero, which reaches no result), and keeps |x| < 2^22, where
 // adding and subtracting 1.5 * 2^23 rounds to an integer, ties to even.
-inline v16f round_clamped(v16f x, float lo, float hi) {
-  const v16f magic = splat(12582912.0f);
+inline vf round_clamped(vf x, float lo, float hi) {
+  const vf magic = splat(12582912.0f);
   return (vmin(vmax(x, splat(lo)), splat(hi)) + magic) - magic;
 }
 
@@ -130,42 +137,52 @@ constexpr float kE2m1Midpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0
 // from 1 up the magnitudes are the floats with one mantissa bit, so adding just
 // under half a step and truncating rounds to nearest, ties down (above 6 it
 // reaches 8 or more and is clamped); below 1 the steps are 0.5.
-inline v16f e2m1_magnitude(v16f y) {
-  const v16f one_bit = vmin((v16f)(((v16i)y + 0x1FFFFF) & ~0x3FFFFF), splat(6.0f));
-  const v16f below_one = bit_and(splat(0.5f), y > splat(0.25f)) + bit_and(splat(0.5f), y > splat(0.75f));
+inline vf e2m1_magnitude(vf y) {
+  const vf one_bit = vmin((vf)(((vi)y + 0x1FFFFF) & ~0x3FFFFF), splat(6.0f));
+  const vf below_one = bit_and(splat(0.5f), y > splat(0.25f)) + bit_and(splat(0.5f), y > splat(0.75f));
   return y < splat(1.0f) ? below_one : one_bit;
 }
-inline v16i e2m1_index(v16f y) {
-  v16i index = v16i{};
+inline vi e2m1_index(vf y) {
+  vi index = vi{};
   for (int i = 0; i < 7; ++i) index -= (y > splat(kE2m1Midpoints[i]));  // true is -1
   return index;
 }
 
-// The tail of _tree_sum on one vector: lanes i + i+8, then i + i+4, i + i+2, i + i+1.
-inline float horizontal_sum(v16f v) {
+// The tail of _tree_sum on one vector: lanes i + i+W/2, then i + i+W/4, ...
 #if defined(__has_builtin)
 #if __has_builtin(__builtin_shufflevector)
 #define MARLIN_QUANT_SHUFFLE 1
 #endif
 #endif
 #ifdef MARLIN_QUANT_SHUFFLE
-  const v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4f b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  const v2f c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
-  return c[0] + c[1];
+inline float horizontal_sum(v2f v) { return v[0] + v[1]; }
+inline float horizontal_sum(v4f v) {
+  return horizontal_sum(__builtin_shufflevector(v, v, 0, 1) + __builtin_shufflevector(v, v, 2, 3));
+}
+#if MARLIN_QUANT_LANES >= 8
+inline float horizontal_sum(v8f v) {
+  return horizontal_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
+}
+#endif
+#if MARLIN_QUANT_LANES >= 16
+inline float horizontal_sum(v16f v) {
+  return horizontal_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                        __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
+}
+#endif
 #else
-  float t[16];
+inline float horizontal_sum(vf v) {
+  float t[kLanes];
   memcpy(t, &v, sizeof(t));
-  for (int width = 8; width >= 1; width /= 2)
+  for (int width = kLanes / 2; width >= 1; width /= 2)
     for (int i = 0; i < width; ++i) t[i] = t[i] + t[i + width];
   return t[0];
-#endif
 }
+#endif
 
 // _tree_sum of nv vectors (a power of two) whose first level is done: e holds
 // the nv/2 pair sums (or the single vector when nv == 1). Consumes e.
-inline float tree_sum(v16f* e, int count) {
+inline float tree_sum(vf* e, int count) {
   for (int half = count / 2; half >= 1; half /= 2)
     for (int i = 0; i < half; ++i) e[i] = e[i] + e[i + half];
   return horizontal_sum(e[0]);
@@ -183,24 +200,24 @@ template <int kV>
 struct FixedGroup {
   static constexpr bool kMasked = false;
   int vectors() const { return kV; }
-  v16f* sum_scratch(int k) { return t[k]; }
-  v16f* q_of(int c) { return q[c]; }
-  v16f w[kV], wc[kV], q[kPair][kV];
-  v16f t[kMaxSums][kV > 1 ? kV / 2 : 1];
-  const v16i* valid = nullptr;
+  vf* sum_scratch(int k) { return t[k]; }
+  vf* q_of(int c) { return q[c]; }
+  vf w[kV], wc[kV], q[kPair][kV];
+  vf t[kMaxSums][kV > 1 ? kV / 2 : 1];
+  const vi* valid = nullptr;
   float len, absmax, lo, hi, w_mean;
 };
 
-// A group longer than kMaxVectors vectors (group_size=-1): the same arrays in
+// A group longer than kMaxGroup (group_size=-1): the same arrays in
 // scratch memory, padded with zeros to a power of two and masked by `valid`.
 struct LongGroup {
   static constexpr bool kMasked = true;
   int nv;
   int vectors() const { return nv; }
-  v16f* sum_scratch(int k) { return t + k * (nv > 1 ? nv / 2 : 1); }
-  v16f* q_of(int c) { return q + c * nv; }
-  v16f *w, *wc, *q, *t;
-  const v16i* valid;
+  vf* sum_scratch(int k) { return t + k * (nv > 1 ? nv / 2 : 1); }
+  vf* q_of(int c) { return q + c * nv; }
+  vf *w, *wc, *q, *t;
+  const vi* valid;
   float len, absmax, lo, hi, w_mean;
 };
 
@@ -209,7 +226,7 @@ struct LongGroup {
 constexpr int64_t kLongGroupArrays = 2 + kPair + kMaxSums;
 
 template <class G>
-inline v16f masked(const G& g, v16f p, int j) {
+inline vf masked(const G& g, vf p, int j) {
   if constexpr (G::kMasked) return bit_and(p, g.valid[j]);
   return p;
 }
@@ -221,11 +238,11 @@ inline void group_sums(G& g, F f, float* sums) {
   const int nv = g.vectors();
   const int half = nv > 1 ? nv / 2 : 1;
   for (int i = 0; i < half; ++i) {
-    v16f a[kSums], b[kSums];
+    vf a[kSums], b[kSums];
     f(i, a);
     if (nv > 1) f(i + half, b);
     for (int k = 0; k < kSums; ++k) {
-      v16f* t = g.sum_scratch(k);
+      vf* t = g.sum_scratch(k);
       t[i] = masked(g, a[k], i);
       if (nv > 1) t[i] = t[i] + masked(g, b[k], i + half);
     }
@@ -237,18 +254,18 @@ inline void group_sums(G& g, F f, float* sums) {
 template <int kFormat, class G>
 inline void prepare(G& g, float* norm2) {
   const int nv = g.vectors();
-  v16f mx = vmax(g.w[0], -g.w[0]), lo = g.w[0], hi = g.w[0];
+  vf mx = vmax(g.w[0], -g.w[0]), lo = g.w[0], hi = g.w[0];
   for (int j = 1; j < nv; ++j) {
     mx = vmax(mx, vmax(g.w[j], -g.w[j]));
     lo = vmin(lo, g.w[j]);
     hi = vmax(hi, g.w[j]);
   }
-  float m[16], l[16], h[16];
-  memcpy(m, &mx, 64);
-  memcpy(l, &lo, 64);
-  memcpy(h, &hi, 64);
+  float m[kLanes], l[kLanes], h[kLanes];
+  memcpy(m, &mx, sizeof(m));
+  memcpy(l, &lo, sizeof(l));
+  memcpy(h, &hi, sizeof(h));
   g.absmax = m[0], g.lo = l[0], g.hi = h[0];
-  for (int i = 1; i < 16; ++i) {
+  for (int i = 1; i < kLanes; ++i) {
     g.absmax = m[i] > g.absmax ? m[i] : g.absmax;
     g.lo = l[i] < g.lo ? l[i] : g.lo;
     g.hi = h[i] > g.hi ? h[i] : g.hi;
@@ -257,14 +274,14 @@ inline void prepare(G& g, float* norm2) {
   g.lo = g.lo > 0.0f ? 0.0f : g.lo;  // amin(-1).clamp(max=0)
   g.hi = g.hi < 0.0f ? 0.0f : g.hi;  // amax(-1).clamp(min=0)
   float sums[2];
-  group_sums<2>(g, [&](int j, v16f* out) {
+  group_sums<2>(g, [&](int j, vf* out) {
     out[0] = g.w[j] * g.w[j];
     out[1] = g.w[j];
   }, sums);
   *norm2 = sums[0];
   if constexpr (kFormat == kFormatUint4) {
     g.w_mean = sums[1] / g.len;
-    const v16f mean = splat(g.w_mean);
+    const vf mean = splat(g.w_mean);
     for (int j = 0; j < nv; ++j) g.wc[j] = g.w[j] - mean;
   }
 }
@@ -272,11 +289,11 @@ inline void prepare(G& g, float* norm2) {
 // quantize._values for one vector: the value of the nearest code before the
 // scale (minus the zero point for uint4).
 template <int kFormat>
-inline v16f code_values(v16f w, v16f s, v16f z) {
+inline vf code_values(vf w, vf s, vf z) {
   if constexpr (kFormat == kFormatFp4) {
-    const v16i sign = (v16i)w & splat_i(int32_t(0x80000000u));
-    const v16f magnitude = e2m1_magnitude(bit_and(w, splat_i(0x7FFFFFFF)) / s);
-    return (v16f)((v16i)magnitude | sign);  // copysign(magnitude, w)
+    const vi sign = (vi)w & splat_i(int32_t(0x80000000u));
+    const vf magnitude = e2m1_magnitude(bit_and(w, splat_i(0x7FFFFFFF)) / s);
+    return (vf)((vi)magnitude | sign);  // copysign(magnitude, w)
   } else if constexpr (kFormat == kFormatInt4) {
     return round_clamped(w / s, -8.0f, 7.0f);
   } else {
@@ -293,21 +310,21 @@ struct Candidate {
 // reference's inner loop per candidate.
 template <int kFormat, bool kRefit, int kCount, class G>
 inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
-  v16f s[kCount], z[kCount];
+  vf s[kCount], z[kCount];
   for (int i = 0; i < kCount; ++i) s[i] = splat(c[i].scale), z[i] = splat(c[i].zero);
   if constexpr (!kRefit) {
-    group_sums<kCount>(g, [&](int j, v16f* out) {
+    group_sums<kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
-        const v16f d = code_values<kFormat>(g.w[j], s[i], z[i]) * s[i] - g.w[j];
+        const vf d = code_values<kFormat>(g.w[j], s[i], z[i]) * s[i] - g.w[j];
         out[i] = d * d;
       }
     }, err);
   } else if constexpr (kFormat != kFormatUint4) {
     float sums[3 * kCount];
-    group_sums<3 * kCount>(g, [&](int j, v16f* out) {
+    group_sums<3 * kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
-        const v16f v = code_values<kFormat>(g.w[j], s[i], z[i]);
-        const v16f d = v * s[i] - g.w[j];
+        const vf v = code_values<kFormat>(g.w[j], s[i], z[i]);
+        const vf d = v * s[i] - g.w[j];
         out[3 * i] = d * d;
         out[3 * i + 1] = v * v;
         out[3 * i + 2] = v * g.w[j];
@@ -323,10 +340,10 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
     }
   } else {
     float sums[2 * kCount];
-    group_sums<2 * kCount>(g, [&](int j, v16f* out) {
+    group_sums<2 * kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
-        const v16f v = code_values<kFormat>(g.w[j], s[i], z[i]);
-        const v16f d = v * s[i] - g.w[j];
+        const vf v = code_values<kFormat>(g.w[j], s[i], z[i]);
+        const vf d = v * s[i] - g.w[j];
         out[2 * i] = d * d;
         g.q_of(i)[j] = v + z[i];
         out[2 * i + 1] = g.q_of(i)[j];
@@ -334,15 +351,15 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
     }, sums);
     // Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
     float q_mean[kCount];
-    v16f qm[kCount];
+    vf qm[kCount];
     for (int i = 0; i < kCount; ++i) {
       err[i] = sums[2 * i];
       q_mean[i] = sums[2 * i + 1] / g.len;
       qm[i] = splat(q_mean[i]);
     }
-    group_sums<2 * kCount>(g, [&](int j, v16f* out) {
+    group_sums<2 * kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
-        const v16f qc = g.q_of(i)[j] - qm[i];
+        const vf qc = g.q_of(i)[j] - qm[i];
         out[2 * i] = qc * qc;
         out[2 * i + 1] = qc * g.wc[j];
       }
@@ -400,6 +417,7 @@ template <int kFormat, class G>
 inline float search(G& g, const QuantizeArgs& a, Candidate* best) {
   Candidate c[kMaxQuantizeCandidates];
   float err[kMaxQuantizeCandidates];
+  err[0] = 0.0f;  // overwritten (the op checks num_ratios >= 1); tells the compiler so
   for (int64_t i = 0; i < a.num_ratios; ++i) c[i * a.rounds] = clipped<kFormat>(g, a.ratios[i]);
   for (int64_t round = 0; round < a.rounds; ++round) {
     // The last round's refit is never tried: skip it.
@@ -418,22 +436,22 @@ inline float search(G& g, const QuantizeArgs& a, Candidate* best) {
 // The codes of the chosen candidate (quantize._round_codes), len of them.
 template <int kFormat, class G>
 inline void write_codes(const G& g, Candidate c, uint8_t* codes, int64_t len) {
-  const v16f s = splat(c.scale), z = splat(c.zero);
+  const vf s = splat(c.scale), z = splat(c.zero);
   for (int j = 0; j < g.vectors(); ++j) {
-    const v16f w = g.w[j];
-    v16i code;
+    const vf w = g.w[j];
+    vi code;
     if constexpr (kFormat == kFormatFp4) {
-      const v16i index = e2m1_index(bit_and(w, splat_i(0x7FFFFFFF)) / s);
+      const vi index = e2m1_index(bit_and(w, splat_i(0x7FFFFFFF)) / s);
       code = index | ((w < splat(0.0f)) & (index > splat_i(0)) & splat_i(8));
     } else if constexpr (kFormat == kFormatInt4) {
-      code = __builtin_convertvector(round_clamped(w / s, -8.0f, 7.0f), v16i) + 8;
+      code = __builtin_convertvector(round_clamped(w / s, -8.0f, 7.0f), vi) + 8;
     } else {
-      code = __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), v16i);
+      code = __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), vi);
     }
-    const v16b bytes = __builtin_convertvector(code, v16b);
-    const int64_t count = len - 16 * j < 16 ? len - 16 * j : 16;
+    const vb bytes = __builtin_convertvector(code, vb);
+    const int64_t count = len - kLanes * j < kLanes ? len - kLanes * j : kLanes;
     if (count <= 0) break;
-    memcpy(codes + 16 * j, &bytes, count);
+    memcpy(codes + kLanes * j, &bytes, count);
   }
 }
 
@@ -454,15 +472,19 @@ int64_t next_pow2(int64_t x) {
 }
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
-bool is_long_group(const QuantizeArgs& a) { return a.group_len > 16 * kMaxVectors || a.group_len % 16 ||
-                                                   next_pow2(a.group_len) != a.group_len; }
+// Group sizes 16..256 are held in registers; group_size=-1 (one group of any
+// length) runs in scratch memory.
+bool is_long_group(const QuantizeArgs& a) {
+  return a.group_len > kMaxGroup || a.group_len % kLanes || next_pow2(a.group_len) != a.group_len;
+}
+int64_t long_group_width(const QuantizeArgs& a) { return next_pow2(a.group_len < kLanes ? kLanes : a.group_len); }
 
 // Floats of each piece of the scratch (each a multiple of 16, so 64-byte aligned).
 struct ScratchLayout {
   int64_t row, codes, block_scales, long_group;
   explicit ScratchLayout(const QuantizeArgs& a) {
     const int64_t groups = a.padded_k / a.group_len;
-    const int64_t width = is_long_group(a) ? next_pow2(a.group_len < 16 ? 16 : a.group_len) : 0;
+    const int64_t width = is_long_group(a) ? long_group_width(a) : 0;
     row = round16(a.padded_k > width ? a.padded_k : width);
     codes = round16((kQuantizeBlockRows * a.padded_k + 3) / 4);
     block_scales = round16((2 * kQuantizeBlockRows * groups + 1) / 2);  // scales then zeros, fp16
@@ -504,7 +526,7 @@ bool load_row(const QuantizeArgs& a, int64_t n, float* dst, int64_t width) {
 template <int kFormat, int kV>
 float quantize_fixed(const float* w, const QuantizeArgs& a, uint8_t* codes, Candidate* best, float* norm2) {
   FixedGroup<kV> g;
-  for (int j = 0; j < kV; ++j) g.w[j] = load16(w + 16 * j);
+  for (int j = 0; j < kV; ++j) g.w[j] = load_vector(w + kLanes * j);
   g.len = float(a.group_len);
   return quantize_group<kFormat>(g, a, codes, best, norm2);
 }
@@ -513,16 +535,16 @@ template <int kFormat>
 float quantize_long(float* w, const QuantizeArgs& a, float* scratch, uint8_t* codes, Candidate* best,
                     float* norm2) {
   LongGroup g;
-  const int64_t width = next_pow2(a.group_len < 16 ? 16 : a.group_len);
-  g.nv = int(width / 16);
+  const int64_t width = long_group_width(a);
+  g.nv = int(width / kLanes);
   g.len = float(a.group_len);
-  g.w = reinterpret_cast<v16f*>(w);
-  v16i* valid = reinterpret_cast<v16i*>(scratch);
+  g.w = reinterpret_cast<vf*>(w);
+  vi* valid = reinterpret_cast<vi*>(scratch);
   for (int64_t i = 0; i < width; ++i) reinterpret_cast<int32_t*>(valid)[i] = i < a.group_len ? -1 : 0;
   g.valid = valid;
-  g.wc = reinterpret_cast<v16f*>(scratch + width);
-  g.q = reinterpret_cast<v16f*>(scratch + 2 * width);
-  g.t = reinterpret_cast<v16f*>(scratch + (2 + kPair) * width);
+  g.wc = reinterpret_cast<vf*>(scratch + width);
+  g.q = reinterpret_cast<vf*>(scratch + 2 * width);
+  g.t = reinterpret_cast<vf*>(scratch + (2 + kPair) * width);
   return quantize_group<kFormat>(g, a, codes, best, norm2);
 }
 
@@ -531,11 +553,11 @@ float quantize_one(float* w, const QuantizeArgs& a, float* long_scratch, uint8_t
                    float* norm2) {
   if (is_long_group(a)) return quantize_long<kFormat>(w, a, long_scratch, codes, best, norm2);
   switch (a.group_len) {
-    case 16: return quantize_fixed<kFormat, 1>(w, a, codes, best, norm2);
-    case 32: return quantize_fixed<kFormat, 2>(w, a, codes, best, norm2);
-    case 64: return quantize_fixed<kFormat, 4>(w, a, codes, best, norm2);
-    case 128: return quantize_fixed<kFormat, 8>(w, a, codes, best, norm2);
-    default: return quantize_fixed<kFormat, 16>(w, a, codes, best, norm2);
+    case 16: return quantize_fixed<kFormat, 16 / kLanes>(w, a, codes, best, norm2);
+    case 32: return quantize_fixed<kFormat, 32 / kLanes>(w, a, codes, best, norm2);
+    case 64: return quantize_fixed<kFormat, 64 / kLanes>(w, a, codes, best, norm2);
+    case 128: return quantize_fixed<kFormat, 128 / kLanes>(w, a, codes, best, norm2);
+    default: return quantize_fixed<kFormat, 256 / kLanes>(w, a, codes, best, norm2);
   }
 }
 

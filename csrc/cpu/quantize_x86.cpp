@@ -12,8 +12,10 @@
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,f16c")
 #endif
 #define MARLIN_QUANT_NS avx512
+#define MARLIN_QUANT_LANES 16
 #include "cpu/quantize_impl.h"
 #undef MARLIN_QUANT_NS
+#undef MARLIN_QUANT_LANES
 #ifdef __clang__
 #pragma clang attribute pop
 #else
@@ -27,8 +29,10 @@
 #pragma GCC target("avx2,f16c")
 #endif
 #define MARLIN_QUANT_NS avx2
+#define MARLIN_QUANT_LANES 8
 #include "cpu/quantize_impl.h"
 #undef MARLIN_QUANT_NS
+#undef MARLIN_QUANT_LANES
 #ifdef __clang__
 #pragma clang attribute pop
 #else
