@@ -475,7 +475,7 @@ int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 // Group sizes 16..256 are held in registers; group_size=-1 (one group of any
 // length) runs in scratch memory.
 bool is_long_group(const QuantizeArgs& a) {
-  return a.group_len > kMaxGroup || a.group_len % kLanes || next_pow2(a.group_len) != a.group_len;
+  return a.group_len < 16 || a.group_len > kMaxGroup || next_pow2(a.group_len) != a.group_len;
 }
 int64_t long_group_width(const QuantizeArgs& a) { return next_pow2(a.group_len < kLanes ? kLanes : a.group_len); }
 
