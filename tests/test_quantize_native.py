@@ -13,6 +13,9 @@ the kernel (AVX-512, AVX2, portable) is compared, as TORCH_MARLIN_CPU_KERNELS pi
 
 import contextlib
 import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +149,40 @@ def test_registered_quantizers_still_run_in_python():
         assert calls == [(8, 2, 32)]
     finally:
         del quantize._QUANTIZERS["mine"]
+
+
+_CROSS = (shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64"))
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(not all(_CROSS), reason="needs aarch64-linux-gnu-g++ and qemu-aarch64")
+def test_portable_build_on_aarch64(tmp_path):
+    """What ARM CPUs run (Apple Silicon, Graviton): the portable build compiled for
+    aarch64, run under qemu, against the reference."""
+    exe = tmp_path / "quantize_portable"
+    subprocess.run([_CROSS[0], "-O2", "-std=c++20", "-static", f"-I{_ROOT / 'csrc'}",
+                    str(_ROOT / "tests" / "native" / "quantize_portable.cpp"),
+                    str(_ROOT / "csrc" / "cpu" / "quantize_generic.cpp"), "-o", str(exe)],
+                   check=True, timeout=900)
+    ratios, rounds = quantize._search_space(True)
+    for weight_format, group_size, k in [("fp4", 128, 200), ("uint4", 32, 96), ("int4", 16, 64), ("uint4", -1, 300)]:
+        w = hard_weights(11, k, torch.float32)
+        ref = quantize.quantize_weight_reference(w, weight_format, group_size, "mse")
+        kp = ref.padded_in_features
+        length = formats.effective_group_size(kp, group_size)
+        (tmp_path / "w.bin").write_bytes(w.numpy().tobytes())
+        code = {"fp4": 0, "uint4": 1, "int4": 2}[weight_format]  # csrc/cpu/kernel_args.h
+        subprocess.run([_CROSS[1], str(exe), str(tmp_path / "w.bin"), str(tmp_path / "out.bin"), "11", str(k),
+                        str(kp), str(length), str(code), str(rounds), *("%.9g" % r for r in ratios)],
+                       check=True, timeout=300)
+        out = torch.frombuffer(bytearray((tmp_path / "out.bin").read_bytes()), dtype=torch.uint8)
+        packed_bytes, group_bytes = kp // 8 * 11 * 4, kp // length * 11 * 2
+        packed = out[:packed_bytes].view(torch.int32).view(kp // 8, 11)
+        scales = out[packed_bytes:packed_bytes + group_bytes].view(torch.float16).view(-1, 11)
+        assert torch.equal(packed, ref.packed), weight_format
+        assert torch.equal(scales.view(torch.int16), ref.scales.view(torch.int16)), weight_format
+        if weight_format == "uint4":
+            assert torch.equal(out[packed_bytes + group_bytes:].view(torch.float16).view(-1, 11), ref.zeros)
 
 
 def _op(w, weight_format="fp4", group_size=32, ratios=(1.0,), rounds=1):

@@ -17,12 +17,27 @@
 // Like kernels_impl.h this includes no C++ library headers and keeps its
 // helpers in an anonymous namespace, so the ISA builds cannot mix (ODR).
 //
-// Usage: define MARLIN_QUANT_NS, MARLIN_QUANT_LANES (floats per register) and
-// MARLIN_QUANT_F16C=1 where F16C exists, then include this file.
+// Usage: define MARLIN_QUANT_NS, MARLIN_QUANT_LANES (floats per register) and,
+// for an ISA beyond the compiler's default, MARLIN_QUANT_TARGET (a target
+// attribute string) and MARLIN_QUANT_F16C=1 where F16C exists, then include
+// this file; it can be included again for another build.
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu/quantize_args.h"
+
+#define MARLIN_QUANT_PRAGMA(...) _Pragma(#__VA_ARGS__)
+#ifdef MARLIN_QUANT_TARGET  // e.g. "avx2,f16c": this build's instruction sets
+#ifdef __clang__
+#define MARLIN_QUANT_TARGET_PUSH(t) \
+  MARLIN_QUANT_PRAGMA(clang attribute push(__attribute__((target(t))), apply_to = function))
+MARLIN_QUANT_TARGET_PUSH(MARLIN_QUANT_TARGET)
+#else
+#define MARLIN_QUANT_TARGET_PUSH(t) MARLIN_QUANT_PRAGMA(GCC target(t))
+#pragma GCC push_options
+MARLIN_QUANT_TARGET_PUSH(MARLIN_QUANT_TARGET)
+#endif
+#endif
 
 #if defined(__clang__)
 #pragma clang fp contract(off)
@@ -620,3 +635,17 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
 }  // namespace MARLIN_QUANT_NS
 }  // namespace cpu
 }  // namespace marlin
+
+#ifdef MARLIN_QUANT_TARGET
+#ifdef __clang__
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+#endif
+#undef MARLIN_QUANT_TARGET_PUSH
+#undef MARLIN_QUANT_PRAGMA
+#undef MARLIN_QUANT_TARGET
+#undef MARLIN_QUANT_NS
+#undef MARLIN_QUANT_LANES
+#undef MARLIN_QUANT_F16C

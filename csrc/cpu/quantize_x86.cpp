@@ -3,49 +3,24 @@
 #include "cpu/quantize_args.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MARLIN_QUANT_F16C 1
-
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,f16c")
-#endif
 #define MARLIN_QUANT_NS avx512
 #define MARLIN_QUANT_LANES 16
+#define MARLIN_QUANT_TARGET "avx512f,avx512bw,avx512dq,avx512vl,f16c"
+#define MARLIN_QUANT_F16C 1
 #include "cpu/quantize_impl.h"
-#undef MARLIN_QUANT_NS
-#undef MARLIN_QUANT_LANES
-#ifdef __clang__
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
 
-#ifdef __clang__
-#pragma clang attribute push(__attribute__((target("avx2,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,f16c")
-#endif
 #define MARLIN_QUANT_NS avx2
 #define MARLIN_QUANT_LANES 8
+#define MARLIN_QUANT_TARGET "avx2,f16c"
+#define MARLIN_QUANT_F16C 1
 #include "cpu/quantize_impl.h"
-#undef MARLIN_QUANT_NS
-#undef MARLIN_QUANT_LANES
-#ifdef __clang__
-#pragma clang attribute pop
 #else
-#pragma GCC pop_options
-#endif
-
-#else
-#define MARLIN_FORWARD_TO_GENERIC(NS)                                                          \
-  namespace NS {                                                                               \
+#define MARLIN_FORWARD_TO_GENERIC(NS)                                                                     \
+  namespace NS {                                                                                          \
   int64_t quantize_scratch_floats(const QuantizeArgs& a) { return generic::quantize_scratch_floats(a); } \
-  QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float* scratch) {  \
-    return generic::quantize_rows(a, n0, n1, scratch);                                         \
-  }                                                                                            \
+  QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float* scratch) {            \
+    return generic::quantize_rows(a, n0, n1, scratch);                                                    \
+  }                                                                                                       \
   }
 namespace marlin {
 namespace cpu {
