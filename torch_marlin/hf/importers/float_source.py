@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-import torch
-
 from ...linear import linear_weight
 from ...model import matches_any
 from ...quantize import quantize_weight
@@ -53,9 +51,10 @@ class FloatSource(Importer):
         weight = self.source.load(plan.keys[0])
         model_name = self.layout.resolve(module, self.layout.linears)
         weight = linear_weight(weight, self.layout.linears[model_name].kind == "conv1d")
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
-        q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+        try:  # the quantizer finds NaN and Inf while it reads the weight
+            q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+        except ValueError as e:
+            raise CheckpointError(f"{plan.keys[0]}: {e}") from e
         return ConvertedLayer(q)
 
     def layers_in_float(self, linears, converted):
