@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
@@ -20,15 +20,34 @@ class QuantizationReport:
     bytes_before: int = 0  # float weight + bias bytes of the replaced layers
     bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
     relative_errors: Dict[str, float] = field(default_factory=dict)
+    # method="gptq": relative output error on the calibration data, (round to nearest, GPTQ)
+    output_errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
+    calibration_batches: int = 0
+    seconds: float = 0.0
 
     @property
     def bytes_saved(self) -> int:
         return self.bytes_before - self.bytes_after
 
+    def record(self, name: str, linear: nn.Module, quantized: nn.Module) -> None:
+        self.bytes_before += _nbytes(linear)
+        self.bytes_after += _nbytes(quantized)
+        self.relative_errors[name] = quantized.quantization_error
+        self.replaced.append(name)
+
     def __str__(self) -> str:
         mib = 1 / 2 ** 20
-        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
+        text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
+        if self.output_errors:
+            lines = [text, f"GPTQ on {self.calibration_batches} calibration batches in {self.seconds:.1f} s; "
+                           f"relative output error per layer (round to nearest -> GPTQ):"]
+            lines += [f"  {name}: {rtn:.4f} -> {gptq:.4f}" for name, (rtn, gptq) in self.output_errors.items()]
+            if self.unreached:
+                lines.append(f"  never reached by the calibration data (round to nearest): {', '.join(self.unreached)}")
+            text = "\n".join(lines)
+        return text
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
@@ -58,11 +77,18 @@ def _nbytes(module: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
-                   method: str = "mse") -> QuantizationReport:
+                   method: str = "mse", calibration: Optional[Iterable] = None,
+                   **gptq_options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear.
-    Returns a QuantizationReport (what was replaced, memory before/after)."""
+    Returns a QuantizationReport (what was replaced, memory before/after).
+
+    method="gptq" quantizes the layers one after another in forward order with
+    GPTQ on the inputs they receive from `calibration` (an iterable of model
+    inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
+    model(**d)); options act_order / damp / block_size / refine_rounds are
+    described in torch_marlin.gptq and torch_marlin.calibration."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
@@ -76,15 +102,21 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             report.skipped.append(name)
         else:
             targets.append(name)
+    if method == "gptq":
+        from .gptq import quantize_model_gptq
+
+        quantize_model_gptq(model, {name: model.get_submodule(name) for name in targets}, report,
+                            weight_format, group_size, calibration, **gptq_options)
+        return report
+    if calibration is not None or gptq_options:
+        raise ValueError(f"calibration/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
+                         f"got method={method!r}")
     for name in targets:
         linear = model.get_submodule(name)
         try:
             quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
         except ValueError as e:  # name the layer
             raise ValueError(f"{name}: {e}") from e
-        report.bytes_before += _nbytes(linear)
-        report.bytes_after += _nbytes(quantized)
-        report.relative_errors[name] = quantized.quantization_error
         model.set_submodule(name, quantized)
-        report.replaced.append(name)
+        report.record(name, linear, quantized)
     return report
