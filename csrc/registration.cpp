@@ -17,5 +17,6 @@ TORCH_LIBRARY(marlin, m) {
   m.def(
       "dequantize(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, "
       "int group_size, ScalarType? dtype=None) -> Tensor");
+  m.def("_cpu_kernels() -> str");
   m.def("_metal_plan(str op, Tensor packed, Tensor scales, Tensor? zeros, Tensor? x, Tensor? bias, str weight_format, int group_size, ScalarType? dtype=None) -> str");
 }
