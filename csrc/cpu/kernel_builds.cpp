@@ -4,7 +4,9 @@
 
 #include <string.h>
 
-#if defined(__aarch64__) && defined(__linux__)
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1 << 14)
@@ -41,8 +43,11 @@ bool cpu_has(const std::string& feature) {
   if (feature == #name) return __builtin_cpu_supports(#name);
   MARLIN_FEATURE(avx512f) MARLIN_FEATURE(avx512bw) MARLIN_FEATURE(avx512vl) MARLIN_FEATURE(avx512dq)
   MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
-  MARLIN_FEATURE(f16c)
 #undef MARLIN_FEATURE
+  if (feature == "f16c") {  // not a name Clang's __builtin_cpu_supports knows
+    unsigned eax, ebx, ecx, edx;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  }
 #elif defined(__aarch64__) && defined(__linux__)
   if (feature == "bf16") return getauxval(AT_HWCAP2) & HWCAP2_BF16;
 #elif defined(__aarch64__) && defined(__APPLE__)
