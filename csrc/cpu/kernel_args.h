@@ -10,7 +10,7 @@ enum { kFormatFp4 = 0, kFormatUint4 = 1, kFormatInt4 = 2 };  // = marlin::Weight
 struct GemmArgs {
   const float* x;          // [m, k] fp32, contiguous (null for dequantize, or when x_bf16 is set)
   const uint16_t* x_bf16;  // [m, k] bf16 bits, contiguous: instead of x, for builds with bf16_x
-  const float* xsum;       // [m, groups]: sum of x over each group (uint4 gemv only)
+  const float* xsum;       // [m, groups]: fp32 sums of x over each group (uint4: gemv, and gemm_tile on x_bf16)
   const int32_t* packed;   // [k / 8, n]
   const uint16_t* scales;  // [groups, n] fp16 bits
   const uint16_t* zeros;   // [groups, n] fp16 bits, uint4 only
@@ -18,6 +18,11 @@ struct GemmArgs {
   int64_t m, k, n, groups, group_rows;
   int format;
 };
+
+// Up to this many rows of x, gemv decodes each weight word once in registers
+// and applies it to all rows (any m works; this is the crossover ops.cpp uses);
+// above, gemm_tile dequantizes cache-sized tiles.
+constexpr int64_t kGemvMaxRows = 8;
 
 // Columns per work item of each kernel; ops.cpp splits work along these.
 constexpr int64_t kGemvBlockCols = 64;
@@ -28,8 +33,8 @@ constexpr int64_t kGemmBlockRows = 256;
 constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + rows) * kGemmBlockCols; }
 
 // One build of the kernels (one instruction set). Entry points:
-//   gemv(a, m0, m1, n0, n1)    out[m0:m1, n0:n1], m1 - m0 <= gemv_max_rows: every
-//                              weight word is decoded once in registers for all rows
+//   gemv(a, m0, m1, n0, n1)    out[m0:m1, n0:n1]: every weight word is decoded once
+//                              in registers for (up to kGemvMaxRows) rows
 //   gemm_tile(a, m0, m1, nb, scratch)  out[m0:m1, nb:nb+64]: dequantizes cache-sized
 //                              tiles once and reuses them for every row
 //   dequantize_rows(a, k0, k1, nb, tile)  fp32 B[k0:k1, nb:nb+64] into tile (row stride 64)
@@ -38,9 +43,7 @@ struct CpuKernels {
   void (*gemv)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
   void (*gemm_tile)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
   void (*dequantize_rows)(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
-  bool bf16_x;            // takes bf16 activations as x_bf16 (exact bf16 products, fp32 sums)
-  int64_t gemv_max_rows;  // gemv up to this many rows (per x dtype path), gemm_tile above
-  int64_t gemv_max_rows_bf16;
+  bool bf16_x;  // takes bf16 activations as x_bf16 (exact bf16 products, fp32 sums)
 };
 
 // Each kernels_<isa>.cpp defines its table; a build that the compiler cannot

@@ -51,13 +51,10 @@ typedef uint32_t vu __attribute__((vector_size(MARLIN_VECTOR_BYTES)));
 
 constexpr int kStrip = int(kGemvBlockCols);  // gemv: columns whose accumulators stay in L1
 constexpr int kChunkWords = 16;              // gemv: word rows decoded per pass (128 K values)
+constexpr int kPanelStrips = 8;              // gemv: strips per panel (see gemv_impl)
 constexpr int kTileCols = int(kGemmBlockCols);
 constexpr int kTileRows = int(kGemmBlockRows);  // a 64 KiB fp32 tile: stays in L2
-// gemv row capacity: the bf16 dot path decodes cheaply enough to stay in
-// registers for more rows than the fp32 path (see kernels table below).
-constexpr int kGemvRows = 8;
-constexpr int kGemvRowsDot = MARLIN_KERNEL_BF16_DOT ? 16 : kGemvRows;
-constexpr int kGemvMaxRows = kGemvRowsDot > kGemvRows ? kGemvRowsDot : kGemvRows;
+constexpr int kMaxRows = int(kGemvMaxRows);
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
@@ -240,17 +237,6 @@ inline vf dot_pairs(vf c, vf a, vf b) {
 #endif
 }
 
-// fp32 sum of n bf16 values.
-inline float sum_bf16(const uint16_t* x, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t u = uint32_t(x[i]) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    s += f;
-  }
-  return s;
-}
 #endif  // MARLIN_KERNEL_BF16_DOT
 
 // Copies `count` (<= width) words/values into a zero-padded local row so
@@ -393,7 +379,7 @@ inline void gemv_micro(const GemvChunk& c, int col) {
 // The generic build has half the vector width (two registers per vf): half
 // the blocks. AVX-512 has 32 registers of 16 lanes.
 template <bool Dot>
-constexpr int kGemvBlockRows = MARLIN_KERNEL_AVX512 ? (Dot ? 8 : 8) : MARLIN_KERNEL_AVX2 ? 6 : 4;
+constexpr int kGemvBlockRows = MARLIN_KERNEL_AVX512 ? 8 : MARLIN_KERNEL_AVX2 ? 6 : 4;
 template <int MR, bool Dot>
 constexpr int kGemvBlockVectors = MARLIN_KERNEL_AVX512 ? (MR <= 3 ? 4 : 2)
                                   : MARLIN_KERNEL_AVX2 ? (MR <= 2 ? 4 : 2)
@@ -435,33 +421,37 @@ void gemv_rows(GemvChunk c, int rows, int cols) {
   }
 }
 
-// out[m0:m1, n0:n1] for m1 - m0 <= kGemvMaxRows, one strip of kStrip columns at a time.
+// out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one panel of kPanelStrips
+// strips at a time: per chunk of K, every strip of the panel, so that each
+// word row is read as kPanelStrips * 256 contiguous bytes (one TLB entry and
+// a prefetchable stream instead of 256 bytes per page when N is large).
 template <int F, bool Dot>
 void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   constexpr int x_per_word = Dot ? 4 : 8;  // 32-bit units of x per word row
+  constexpr int kPanel = kPanelStrips * kStrip;
   const int rows = int(m1 - m0);
   const int64_t group_words = a.group_rows / 8;  // groups span whole words
-  alignas(64) float acc[kGemvMaxRows * kStrip], part[kGemvMaxRows * kStrip];
-  alignas(64) float scale[kStrip], zero[kStrip];
+  // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
+  alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
+  alignas(64) float scale[kPanel], zero[kPanel];
   // x and the weights are copied into these when re-read: rows of x (stride K)
   // and word rows (stride N) a power of two apart would share L1 sets.
   alignas(64) int32_t padded[kChunkWords * kStrip];
-  alignas(64) float xbuf[kGemvMaxRows * kChunkWords * x_per_word];
-  for (int64_t nb = n0; nb < n1; nb += kStrip) {
-    const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
-    const int vcols = (cols + kLanes - 1) & ~(kLanes - 1);
-    memset(acc, 0, sizeof(acc));
+  alignas(64) float xbuf[kMaxRows * kChunkWords * x_per_word];
+  for (int64_t pb = n0; pb < n1; pb += kPanel) {
+    const int64_t panel_cols = n1 - pb < kPanel ? n1 - pb : kPanel;
+    const int strips = int((panel_cols + kStrip - 1) / kStrip);
+    memset(acc, 0, strips * kMaxRows * kStrip * sizeof(float));
     GemvChunk c;
     c.x = xbuf;
     c.ldx = kChunkWords * x_per_word;
     c.ldxsum = a.groups;
-    c.scale = scale;
-    c.zero = zero;
-    c.part = part;
-    c.acc = acc;
     for (int64_t g = 0; g < a.groups; ++g) {
-      copy_halves(scale, a.scales + g * a.n + nb, cols, kStrip);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kStrip);
+      for (int s = 0; s < strips; ++s) {
+        const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+        copy_halves(scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
+        if (F == kFormatUint4) copy_halves(zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
+      }
       for (int64_t w0 = 0; w0 < group_words; w0 += kChunkWords) {
         const int64_t r0 = g * group_words + w0;
         c.words = int(group_words - w0 < kChunkWords ? group_words - w0 : kChunkWords);
@@ -474,24 +464,35 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
             memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + 8 * r0, c.words * 8 * sizeof(float));
         }
         c.xsum = a.xsum ? a.xsum + m0 * a.groups + g : nullptr;
-        if (cols == kStrip && rows <= kGemvBlockRows<Dot>) {  // read once: stream from the weight
-          c.w = a.packed + r0 * a.n + nb;
-          c.ldw = a.n;
-          // Each word row is on its own page: fetch the next chunk early.
-          const int64_t next = r0 + c.words;
-          for (int64_t r = next; r < next + kChunkWords && r < a.k / 8; ++r)
-            for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.packed + r * a.n + nb + l);
-        } else {
-          for (int r = 0; r < c.words; ++r)
-            copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
-          c.w = padded;
-          c.ldw = kStrip;
+        // Fetch the panel's next chunk early (each word row is its own stream).
+        const int64_t next = r0 + c.words;
+        for (int64_t r = next; r < next + kChunkWords && r < a.k / 8; ++r)
+          for (int64_t l = 0; l < panel_cols; l += 16) __builtin_prefetch(a.packed + r * a.n + pb + l);
+        for (int s = 0; s < strips; ++s) {
+          const int64_t nb = pb + s * kStrip;
+          const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
+          c.scale = scale + s * kStrip;
+          c.zero = zero + s * kStrip;
+          c.part = part + s * kMaxRows * kStrip;
+          c.acc = acc + s * kMaxRows * kStrip;
+          if (cols == kStrip && rows <= kGemvBlockRows<Dot>) {  // read once: stream from the weight
+            c.w = a.packed + r0 * a.n + nb;
+            c.ldw = a.n;
+          } else {
+            for (int r = 0; r < c.words; ++r)
+              copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
+            c.w = padded;
+            c.ldw = kStrip;
+          }
+          gemv_rows<F, Dot>(c, rows, (cols + kLanes - 1) & ~(kLanes - 1));
         }
-        gemv_rows<F, Dot>(c, rows, vcols);
       }
     }
-    for (int i = 0; i < rows; ++i)
-      memcpy(a.out + (m0 + i) * a.n + nb, acc + i * kStrip, cols * sizeof(float));
+    for (int s = 0; s < strips; ++s) {
+      const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+      for (int i = 0; i < rows; ++i)
+        memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
+    }
   }
 }
 
@@ -626,10 +627,11 @@ void dequant_pairs_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb,
   }
 }
 
-// acc[0:MR, col:col+kDotCols] += scale * (x[0:MR, segment] @ tile[pairs, col:...] (- zero * xsum)).
+// acc[0:MR, col:col+kDotCols] += scale * (x[0:MR, segment] @ tile[pairs, col:...]), and for
+// uint4 once per group (xsum set: x's sums over the group, row stride ldxsum) - scale * zero * xsum.
 template <int F, int MR>
 inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float* tile, int col,
-                      const float* scale, const float* zero, const float* xsum, float* acc) {
+                      const float* scale, const float* zero, const float* xsum, int64_t ldxsum, float* acc) {
   vf p[MR][kDotVectors];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < kDotVectors; ++v) p[i][v] = vf{};
@@ -645,7 +647,7 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float
     for (int v = 0; v < kDotVectors; ++v) {
       const int o = col + kLanes * v;
       vf sum = p[i][v];
-      if (F == kFormatUint4) sum -= load(zero + o) * xsum[i];
+      if (F == kFormatUint4 && xsum) sum -= load(zero + o) * xsum[i * ldxsum];
       store(acc + i * kTileCols + o, fmadd(load(scale + o), sum, load(acc + i * kTileCols + o)));
     }
   }
@@ -653,16 +655,14 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float
 
 template <int F>
 void gemm_tile_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  float* tile = scratch;  // (kTileRows / 2) x 64 pairs: half of the fp32 tile's room
+  float* tile = scratch;
   float* acc = scratch + kTileRows * kTileCols;
   const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
   alignas(64) float scale[kTileCols], zero[kTileCols];
-  float xsum[kDotRows];
   memset(acc, 0, (m1 - m0) * kTileCols * sizeof(float));
   for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
     const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
     dequant_pairs_tile<F>(a, k0, rows, nb, tile);
-    // Segments: the parts of groups inside this tile.
     for (int64_t s0 = k0; s0 < k0 + rows;) {
       const int64_t g = s0 / a.group_rows;
       const int64_t s1 = (g + 1) * a.group_rows < k0 + rows ? (g + 1) * a.group_rows : k0 + rows;
@@ -670,25 +670,21 @@ void gemm_tile_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float*
       if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
       const float* pairs = tile + (s0 - k0) / 2 * kTileCols;
       for (int64_t m = m0; m < m1;) {
-        // Balanced row blocks of at most kDotRows.
         const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
         const int mr = int((left + blocks - 1) / blocks);
         const uint16_t* x = a.x_bf16 + m * a.k + s0;
-        if (F == kFormatUint4)
-          for (int i = 0; i < mr; ++i) xsum[i] = sum_bf16(x + i * a.k, s1 - s0);
+        const float* xsum = F == kFormatUint4 && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
         float* c = acc + (m - m0) * kTileCols;
         for (int col = 0; col < kTileCols; col += kDotCols) {
           switch (mr) {
-            case 1: micro_dot<F, 1>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-            case 2: micro_dot<F, 2>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-            case 3: micro_dot<F, 3>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-#if MARLIN_KERNEL_AVX512
-            case 4: micro_dot<F, 4>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-            case 5: micro_dot<F, 5>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-            default: micro_dot<F, 6>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-#else
-            default: micro_dot<F, 4>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, c); break;
-#endif
+#define MARLIN_MICRO_DOT(MR) micro_dot<F, MR>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, a.groups, c)
+            case 1: MARLIN_MICRO_DOT(1); break;
+            case 2: MARLIN_MICRO_DOT(2); break;
+            case 3: MARLIN_MICRO_DOT(3); break;
+            case 4: MARLIN_MICRO_DOT(4); break;
+            case 5: MARLIN_MICRO_DOT(5); break;
+            default: MARLIN_MICRO_DOT(6); break;
+#undef MARLIN_MICRO_DOT
           }
         }
         m += mr;
@@ -704,13 +700,16 @@ void gemm_tile_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float*
 // The format (and x's type) is dispatched once here so the inner loops are branch-free.
 template <int F>
 void gemv_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  for (int64_t m = m0; m < m1; m += kMaxRows) {
+    const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
 #if MARLIN_KERNEL_BF16_DOT
-  if (a.x_bf16) {
-    for (int64_t m = m0; m < m1; m += kGemvRowsDot) gemv_impl<F, true>(a, m, m1 - m < kGemvRowsDot ? m1 : m + kGemvRowsDot, n0, n1);
-    return;
-  }
+    if (a.x_bf16) {
+      gemv_impl<F, true>(a, m, e, n0, n1);
+      continue;
+    }
 #endif
-  for (int64_t m = m0; m < m1; m += kGemvRows) gemv_impl<F, false>(a, m, m1 - m < kGemvRows ? m1 : m + kGemvRows, n0, n1);
+    gemv_impl<F, false>(a, m, e, n0, n1);
+  }
 }
 
 template <int F>
@@ -749,8 +748,7 @@ void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, floa
 
 }  // namespace
 
-extern const CpuKernels kernels = {MARLIN_KERNEL_NAME, gemv, gemm_tile, dequantize_rows,
-                                   bool(MARLIN_KERNEL_BF16_DOT), kGemvRows, kGemvRowsDot};
+extern const CpuKernels kernels = {MARLIN_KERNEL_NAME, gemv, gemm_tile, dequantize_rows, bool(MARLIN_KERNEL_BF16_DOT)};
 
 }  // namespace MARLIN_KERNEL_NS
 }  // namespace cpu

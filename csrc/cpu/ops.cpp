@@ -63,13 +63,13 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
       a.x = x2.data_ptr<float>();
     a.out = out.data_ptr<float>();
     a.m = m;
-    if (m <= (bf16_x ? kern.gemv_max_rows_bf16 : kern.gemv_max_rows)) {
-      // uint4's zero point is applied per group, as zero * sum of x over the group.
-      at::Tensor xsum;
-      if (s.format == WeightFormat::kUint4) {
-        xsum = x2.view({m, s.groups, s.group_rows}).sum(-1, false, at::kFloat).contiguous();
-        a.xsum = xsum.data_ptr<float>();
-      }
+    // uint4's zero point is applied per group, as zero * sum of x over the group.
+    at::Tensor xsum;
+    if (s.format == WeightFormat::kUint4) {
+      xsum = x2.view({m, s.groups, s.group_rows}).sum(-1, false, at::kFloat).contiguous();
+      a.xsum = xsum.data_ptr<float>();
+    }
+    if (m <= kGemvMaxRows) {
       const int64_t blocks = (s.n + kGemvBlockCols - 1) / kGemvBlockCols;
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         kern.gemv(a, 0, m, b0 * kGemvBlockCols, std::min(s.n, b1 * kGemvBlockCols));

@@ -141,12 +141,12 @@ void check_gemm(const Problem& p, bool bf16, const std::vector<float>& out, cons
   if (worst > 0) fail(what + ": error up to " + std::to_string(worst) + "x the bound");
 }
 
-void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
+// What ops.cpp passes: x, and for uint4 fp32 sums of x over each group.
+GemmArgs gemm_args(const Problem& p, bool bf16, std::vector<float>& xsum, std::vector<float>& out) {
   GemmArgs a = p.args();
-  std::vector<float> out(p.c.m * p.c.n, NAN), xsum;
   if (bf16) a.x_bf16 = p.x_bf16.data();
   else a.x = p.x.data();
-  if (p.c.format == kFormatUint4) {  // what ops.cpp passes: fp32 sums of x over each group
+  if (p.c.format == kFormatUint4) {
     for (int64_t i = 0; i < p.c.m; ++i)
       for (int64_t g = 0; g < p.groups; ++g) {
         float s = 0;
@@ -156,7 +156,14 @@ void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::st
       }
     a.xsum = xsum.data();
   }
+  out.assign(p.c.m * p.c.n, NAN);
   a.out = out.data();
+  return a;
+}
+
+void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
+  std::vector<float> out, xsum;
+  const GemmArgs a = gemm_args(p, bf16, xsum, out);
   // Uneven column ranges: the kernel must handle any [n0, n1).
   for (int64_t n0 = 0; n0 < p.c.n;) {
     const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < p.c.n ? n0 + kGemvBlockCols * (1 + n0 % 2) : p.c.n;
@@ -167,11 +174,8 @@ void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::st
 }
 
 void run_gemm_tile(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
-  GemmArgs a = p.args();
-  std::vector<float> out(p.c.m * p.c.n, NAN);
-  if (bf16) a.x_bf16 = p.x_bf16.data();
-  else a.x = p.x.data();
-  a.out = out.data();
+  std::vector<float> out, xsum;
+  const GemmArgs a = gemm_args(p, bf16, xsum, out);
   const int64_t rows = p.c.m > 20 ? 20 : p.c.m;  // several row blocks when M is large
   std::vector<float> scratch(gemm_scratch_floats(rows));
   for (int64_t m0 = 0; m0 < p.c.m; m0 += rows)
