@@ -7,7 +7,7 @@ the same process, interleaved round by round (so a noisy neighbour slows all
 of them alike); the figures are medians. Prints the CPU, its instruction-set
 flags and the kernel build that ran, a table, and writes JSON with the same.
 
-    python benchmarks/bench_cpu.py [--quick] [--kernels avx2] [--json bench_cpu.json]
+    python benchmarks/bench_cpu.py [--quick] [--kernels avx2] [--threads 2] [--clock wall] [--json bench_cpu.json]
 
 --kernels forces a kernel build (= TORCH_MARLIN_CPU_KERNELS), e.g. to check
 the AVX2 build on an AVX-512 machine.
@@ -53,7 +53,14 @@ def cpu_description() -> dict:
                 logical_cpus=os.cpu_count())
 
 
-def interleaved_medians(fns: dict, repeats: int, min_time: float = 0.3) -> dict:
+# wall: elapsed time. cpu: this process's CPU time, which leaves out the time
+# the process waits for a core; with --threads 1 on a machine shared with other
+# jobs it is the steadier measure (with more threads it also counts threads
+# spinning at barriers).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved_medians(fns: dict, repeats: int, min_time: float = 0.3, clock=time.perf_counter) -> dict:
     """Median seconds of each function, timed round-robin (one call of each per round)."""
     for fn in fns.values():
         fn()  # warm-up
@@ -62,9 +69,9 @@ def interleaved_medians(fns: dict, repeats: int, min_time: float = 0.3) -> dict:
     rounds = 0
     while rounds < repeats or (time.perf_counter() < deadline and rounds < 20 * repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
         rounds += 1
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -93,8 +100,13 @@ def main() -> None:
     parser.add_argument("--formats", default="fp4,int4,uint4")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--kernels", help="force a kernel build (TORCH_MARLIN_CPU_KERNELS)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 gives steadier ratios on a machine shared with other jobs)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or process CPU time (steadier with --threads 1 on a shared machine)")
     parser.add_argument("--json", default="bench_cpu.json")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.kernels:
         os.environ["TORCH_MARLIN_CPU_KERNELS"] = args.kernels  # read at the first gemm call
     shapes = SHAPES[:1] if args.quick else SHAPES
@@ -108,7 +120,7 @@ def main() -> None:
     print(f"# {cpu['model']} ({cpu['machine']}), {torch.get_num_threads()} threads, torch {torch.__version__}")
     print(f"# ISA flags: {' '.join(cpu['isa_flags']) or '-'}; torch CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; torch_marlin kernels: {kernels['selected']}")
-    print("# median ms, candidates interleaved in one process; bf16 x, group size 128")
+    print(f"# median ms ({args.clock} clock), candidates interleaved in one process; bf16 x, group size 128")
     header = (f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'marlin ms':>9} | {'int4 ms':>8} {'bf16 ms':>8} "
               f"{'fp32 ms':>8} | {'x int4':>6} {'x bf16':>6}")
     print(header)
@@ -128,7 +140,7 @@ def main() -> None:
                     "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, int4_packed, GROUP_SIZE, int4_sz),
                     "bf16": lambda: x16 @ w16.t(),
                     "fp32": lambda: x32 @ w32.t(),
-                }, repeats)
+                }, repeats, clock=CLOCKS[args.clock])
                 row = dict(format=fmt, n=n, k=k, m=m, marlin_ms=t["marlin"] * 1e3, int4_ms=t["int4"] * 1e3,
                            bf16_ms=t["bf16"] * 1e3, fp32_ms=t["fp32"] * 1e3,
                            speedup_vs_int4=t["int4"] / t["marlin"], speedup_vs_bf16=t["bf16"] / t["marlin"])
@@ -138,8 +150,8 @@ def main() -> None:
                       f"{row['speedup_vs_bf16']:6.2f}")
     with open(args.json, "w") as f:
         json.dump(dict(cpu=cpu, kernels=kernels["selected"], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                       threads=torch.get_num_threads(), torch=torch.__version__, group_size=GROUP_SIZE,
-                       results=results), f, indent=1)
+                       threads=torch.get_num_threads(), clock=args.clock, torch=torch.__version__,
+                       group_size=GROUP_SIZE, results=results), f, indent=1)
     print(f"wrote {args.json}")
 
 

@@ -143,24 +143,24 @@ def build_variant(variant: str, layers: int, base: nn.Module | None = None):
 
 
 @torch.inference_mode()
-def decode_step_times(model: nn.Module, prompt: torch.Tensor, new_tokens: int) -> list:
+def decode_step_times(model: nn.Module, prompt: torch.Tensor, new_tokens: int, clock=time.perf_counter) -> list:
     """Seconds per greedy decode step after prefilling `prompt`."""
     out = model(prompt, use_cache=True, logits_to_keep=1)
     past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
     times = []
     for _ in range(new_tokens):
-        start = time.perf_counter()
+        start = clock()
         out = model(token, past_key_values=past, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return times
 
 
 @torch.inference_mode()
-def prefill_seconds(model: nn.Module, prompt: torch.Tensor) -> float:
-    start = time.perf_counter()
+def prefill_seconds(model: nn.Module, prompt: torch.Tensor, clock=time.perf_counter) -> float:
+    start = clock()
     model(prompt, use_cache=True, logits_to_keep=1)
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def vm_hwm_mib() -> float:
@@ -189,6 +189,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="wall",
+                        help="wall time, or process CPU time (steadier with --threads 1 on a shared machine)")
     parser.add_argument("--rounds", type=int, default=3, help="timing rounds over all variants")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, default=32)
@@ -207,7 +209,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_cpu import cpu_description
+    from bench_cpu import CLOCKS, cpu_description
 
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(VARIANTS))
@@ -218,7 +220,8 @@ def main() -> None:
     print(f"# {cpu['model']}, ISA flags: {' '.join(cpu['isa_flags'])}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; torch_marlin kernels: {kernels}")
     print(f"# Llama-3.2-1B shapes, {args.layers} layers, random weights; decode: {args.new_tokens} new tokens after "
-          f"{args.prompt_tokens}; prefill: {args.prefill_tokens} tokens; {args.rounds} interleaved rounds")
+          f"{args.prompt_tokens}; prefill: {args.prefill_tokens} tokens; {args.rounds} interleaved rounds; "
+          f"{args.clock} clock")
 
     base = build_base(torch.bfloat16, args.layers) if any(v != "float32" for v in variants) else None
     models, notes = {}, {}
@@ -240,8 +243,8 @@ def main() -> None:
         prefill_seconds(models[v], long_prompt[:, :64])
     for _ in range(args.rounds):
         for v in variants:
-            steps[v] += decode_step_times(models[v], prompt, args.new_tokens)
-            prefills[v].append(prefill_seconds(models[v], long_prompt))
+            steps[v] += decode_step_times(models[v], prompt, args.new_tokens, CLOCKS[args.clock])
+            prefills[v].append(prefill_seconds(models[v], long_prompt, CLOCKS[args.clock]))
 
     rss = {}
     if not args.no_rss:
@@ -272,7 +275,7 @@ def main() -> None:
         run_peak, life_peak = (f"{r[k]:.0f}" if k in r else "-" for k in ("running_peak_mib", "lifetime_peak_mib"))
         print(f"{r['variant']:13} | {d:12.2f} {xb[0]} {xi} | {p:13.1f} {xb[1]} | {run_peak:>11} {life_peak:>12}")
     with open(args.json, "w") as f:
-        json.dump(dict(cpu=cpu, kernels=kernels, torch=torch.__version__, threads=args.threads, layers=args.layers,
+        json.dump(dict(cpu=cpu, kernels=kernels, torch=torch.__version__, threads=args.threads, clock=args.clock, layers=args.layers,
                        new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                        prefill_tokens=args.prefill_tokens, rounds=args.rounds, results=results), f, indent=1)
     print(f"wrote {args.json}")
