@@ -1,22 +1,95 @@
 // The one place where torch.ops.marlin.* schemas are defined. Backends
-// (csrc/cpu, csrc/mps) register implementations with TORCH_LIBRARY_IMPL;
-// fake kernels and autograd live in torch_marlin/ops.py.
+// register implementations with TORCH_LIBRARY_IMPL: CPU in csrc/cpu, MPS
+// through the layouts' Metal planners (csrc/core/metal_plan_*.cpp); fake
+// kernels and autograd live in torch_marlin/ (torch_marlin/layouts/).
 #include <Python.h>
 #include <torch/library.h>
 
+#include <string>
+
+#include "core/formats.h"
+
+namespace {
+
+// The facts of metal/marlin_common.h, for tests/test_shared_constants.py to
+// compare with torch_marlin/formats.py.
+PyObject* shared_constants() {
+  PyObject* formats = PyTuple_New(marlin::kNumWeightFormats);
+  PyObject* with_zeros = PyList_New(0);
+  for (int i = 0; i < marlin::kNumWeightFormats; ++i) {
+    const auto f = static_cast<marlin::WeightFormat>(i);
+    PyTuple_SET_ITEM(formats, i, PyUnicode_FromString(marlin::weight_format_name(f)));
+    if (marlin::has_zeros(f)) {
+      PyObject* name = PyUnicode_FromString(marlin::weight_format_name(f));
+      PyList_Append(with_zeros, name);
+      Py_DECREF(name);
+    }
+  }
+  PyObject* groups = PyTuple_New(marlin::kNumGroupSizes);
+  for (int i = 0; i < marlin::kNumGroupSizes; ++i) PyTuple_SET_ITEM(groups, i, PyLong_FromLong(marlin::kGroupSizes[i]));
+  PyObject* zeros_tuple = PyList_AsTuple(with_zeros);
+  Py_DECREF(with_zeros);
+  // Metal function constants: MSL name -> (index, MSL type).
+  PyObject* constants = PyDict_New();
+#define MARLIN_FC_ENTRY(e, name, index, type)                    \
+  {                                                              \
+    PyObject* entry = Py_BuildValue("(is)", index, #type);       \
+    PyDict_SetItemString(constants, #name, entry);               \
+    Py_DECREF(entry);                                            \
+  }
+  MARLIN_FOR_EACH_FUNCTION_CONSTANT(MARLIN_FC_ENTRY)
+#undef MARLIN_FC_ENTRY
+  // Metal tile sizes, for the estimates of benchmarks/bench_mps.py.
+  PyObject* tiles = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "GEMV_COLUMNS", marlin::kGemvColumns,
+                                  "GEMV_SIMDGROUPS", marlin::kGemvSimdgroups, "GEMV_LANE_ROWS",
+                                  marlin::kGemvLaneRows, "GEMM_THREADS", marlin::kGemmThreads, "GEMM_TILE_N",
+                                  marlin::kGemmTileN, "GEMM_TILE_K", marlin::kGemmTileK, "TILED_TILE_M",
+                                  marlin::kTiledTileM, "TILE_PAD_BYTES", marlin::kTilePadBytes);
+  return Py_BuildValue("{s:N,s:N,s:N,s:i,s:i,s:N,s:N}", "WEIGHT_FORMATS", formats, "FORMATS_WITH_ZEROS", zeros_tuple,
+                       "GROUP_SIZES", groups, "PACK_FACTOR", marlin::kPackFactor, "INT4_OFFSET",
+                       marlin::kInt4Offset, "FUNCTION_CONSTANTS", constants, "METAL_TILES", tiles);
+}
+
+// An op with Metal kernels also gets `_metal_plan_<name>`: the same arguments,
+// returning the dispatch plan as JSON (torch_marlin.testing.run_metal).
+void def_metal_op(torch::Library& m, const std::string& name, const std::string& arguments,
+                  const std::string& returns) {
+  m.def((name + arguments + " -> " + returns).c_str());
+  m.def(("_metal_plan_" + name + arguments + " -> str").c_str());
+}
+
+}  // namespace
+
 // Importing torch_marlin._C runs the static registrations below.
-extern "C" PyMODINIT_FUNC PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC is extern "C" in C++
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module && PyModule_AddObject(module, "SHARED_CONSTANTS", shared_constants()) < 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 
 TORCH_LIBRARY(marlin, m) {
+  // Dense layout (torch_marlin/layouts/dense.py, docs/FORMAT.md).
+  def_metal_op(m, "gemm",
+               "(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? bias, str weight_format, "
+               "int group_size)",
+               "Tensor");
+  def_metal_op(m, "dequantize",
+               "(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, int group_size, "
+               "ScalarType? dtype=None)",
+               "Tensor");
+  // What the MPS bridge decides from the device and its pipelines
+  // (csrc/core/metal_plan.cpp), exposed so run_metal and the tests apply the same rules.
+  m.def("_metal_fit_threadgroup(str kernel, int[] threadgroup, int min_threads_x, int max_threads, "
+        "int thread_execution_width=32) -> int[]");
+  m.def("_metal_support_problem(int macos_major, int macos_minor, bool apple7_gpu) -> str");
+  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
   m.def(
-      "gemm(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? bias, "
-      "str weight_format, int group_size) -> Tensor");
-  m.def(
-      "dequantize(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, "
-      "int group_size, ScalarType? dtype=None) -> Tensor");
+      "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
+      "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
+  // Internal: which CPU kernel builds this machine runs and which one was chosen (JSON).
   m.def("_cpu_kernels() -> str");
-  m.def("_metal_plan(str op, Tensor packed, Tensor scales, Tensor? zeros, Tensor? x, Tensor? bias, str weight_format, int group_size, ScalarType? dtype=None) -> str");
 }

@@ -34,7 +34,7 @@ def harness(tmp_path_factory):
 
     def compile_one(src):
         obj = out / (src.stem + ".o")
-        r = subprocess.run([CXX, "-O3", "-std=c++20", "-I", str(ROOT / "csrc"), "-c", str(src), "-o", str(obj)],
+        r = subprocess.run([CXX, "-O3", "-std=c++20", "-I", str(ROOT / "csrc"), "-I", str(ROOT / "metal"), "-c", str(src), "-o", str(obj)],
                            capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"{src.name}:\n{r.stderr[-4000:]}"
         return obj

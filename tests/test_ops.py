@@ -11,8 +11,8 @@ import torch
 import torch_marlin as tm
 from torch_marlin import formats
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
-GROUP_SIZES = [16, 32, 64, 128, 256, -1]
+DTYPES = formats.ACTIVATION_DTYPES
+GROUP_SIZES = formats.GROUP_SIZES
 EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23}
 
 

@@ -1,11 +1,10 @@
 """torch_marlin: FP4 (E2M1) and INT4 weight-only quantized matmul for PyTorch."""
 
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
-from .formats import (E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference,
-                      pack_codes, pack_fp4_weights, unpack_codes)
+from .formats import E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference, pack_codes, unpack_codes
 from .linear import MarlinLinear, quantized_linear
 from .model import QuantizationReport, quantize_model
-from .quantize import QuantizedWeight, quantize_weight, register_quantizer
+from .quantize import QuantizedWeight, pack_fp4_weights, quantize_weight, register_quantizer
 from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
 
 __version__ = "0.1.0"

@@ -7,15 +7,20 @@ tests/reference.py.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
+# The position of a format in WEIGHT_FORMATS is its number in state_dicts and
+# checkpoints (MarlinLinear's _extra_state) and in the C++/Metal enum
+# (metal/marlin_common.h): never reorder, only append.
 WEIGHT_FORMATS = ("fp4", "uint4", "int4")
+FORMATS_WITH_ZEROS = ("uint4",)  # asymmetric: a zero point per group besides the scale
 # 16 is the NVFP4 block size; the others are the usual GPTQ/AWQ/MLX groups.
 GROUP_SIZES = (16, 32, 64, 128, 256, -1)
 PACK_FACTOR = 8  # 4-bit codes per int32 word, along K
 INT4_OFFSET = 8  # int4 is stored offset-binary: q - 8 is the signed value
+FP16_MAX = 65504.0  # scales and zeros are stored in fp16
+# Activation dtypes of the ops (x, bias, the result): the compute dtype is x's.
+ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -29,6 +34,12 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j at bits 4j..4j+3
 def check_weight_format(weight_format: str, name: str = "weight_format") -> None:
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+
+
+def has_zeros(weight_format: str) -> bool:
+    """Whether the format stores zero points (`zeros`) next to the scales."""
+    check_weight_format(weight_format)
+    return weight_format in FORMATS_WITH_ZEROS
 
 
 def check_group_size(group_size: int, name: str = "group_size") -> None:
@@ -106,9 +117,9 @@ def check_quantized(packed, scales, zeros, weight_format: str, group_size: int) 
     k, n = packed.shape[0] * PACK_FACTOR, packed.shape[1]
     groups = num_groups(k, group_size)
     _check_group_tensor(scales, "scales", groups, n, packed.device)
-    if weight_format == "uint4":
+    if has_zeros(weight_format):
         if zeros is None:
-            raise ValueError("zeros is required for weight_format='uint4'")
+            raise ValueError(f"zeros is required for weight_format={weight_format!r}")
         _check_group_tensor(zeros, "zeros", groups, n, packed.device)
     elif zeros is not None:
         raise ValueError(f"zeros must be None for weight_format={weight_format!r}")
@@ -122,20 +133,9 @@ def dequantize_reference(packed, scales, zeros, weight_format: str, group_size: 
     rows = effective_group_size(k, group_size)
     values = code_values(unpack_codes(packed), weight_format).to(torch.float64)
     scale_rows = scales.to(torch.float64).repeat_interleave(rows, dim=0)
-    if weight_format == "uint4":
+    if has_zeros(weight_format):
         values = values - zeros.to(torch.float64).repeat_interleave(rows, dim=0)
     return (values * scale_rows).to(dtype)
-
-
-def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
-    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
-
-    The name of the design notes; `torch_marlin.quantize_weight` is the general form.
-    """
-    from .quantize import quantize_weight
-
-    q = quantize_weight(weight, "fp4", group_size)
-    return q.packed, q.scales
 
 
 def _check_group_tensor(t, name: str, groups: int, n: int, device) -> None:

@@ -1,4 +1,4 @@
-"""quantize_model: swap a model's nn.Linear layers for MarlinLinear in place."""
+"""quantize_model: swap a model's linear layers for MarlinLinear in place."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Union
 
 from torch import nn
 
-from .linear import MarlinLinear
+from .linear import MarlinLinear, is_float_linear
 
 Patterns = Union[str, Iterable[str], None]
 
@@ -16,7 +16,7 @@ Patterns = Union[str, Iterable[str], None]
 @dataclass
 class QuantizationReport:
     replaced: List[str] = field(default_factory=list)  # qualified names now MarlinLinear
-    skipped: List[str] = field(default_factory=list)  # nn.Linear left in float (excluded)
+    skipped: List[str] = field(default_factory=list)  # linear layers left in float (excluded)
     bytes_before: int = 0  # float weight + bias bytes of the replaced layers
     bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
     relative_errors: Dict[str, float] = field(default_factory=dict)
@@ -29,6 +29,15 @@ class QuantizationReport:
         mib = 1 / 2 ** 20
         return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
+
+
+def matches_any(name: str, patterns: Iterable[str]) -> bool:
+    """Glob match on a qualified module name; a plain pattern also matches as a suffix
+    of dotted names ("lm_head" matches "model.lm_head", "q_proj" every q_proj)."""
+    for pattern in patterns:
+        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
+            return True
+    return False
 
 
 def _patterns(value: Patterns, name: str) -> Optional[List[str]]:
@@ -50,8 +59,9 @@ def _nbytes(module: nn.Module) -> int:
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
                    method: str = "mse") -> QuantizationReport:
-    """Replace every nn.Linear whose qualified name matches `include` (glob
-    patterns; default all) and none of `exclude` with a MarlinLinear.
+    """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
+    qualified name matches `include` (glob patterns, a plain name also matching
+    as a suffix; default all) and none of `exclude` with a MarlinLinear.
     Returns a QuantizationReport (what was replaced, memory before/after)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -59,16 +69,19 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     report = QuantizationReport()
     targets = []
     for name, module in model.named_modules():
-        if type(module) is not nn.Linear:  # subclasses may carry behaviour we would drop
+        if not is_float_linear(module):
             continue
-        selected = include_p is None or any(fnmatch.fnmatchcase(name, p) for p in include_p)
-        if not selected or any(fnmatch.fnmatchcase(name, p) for p in exclude_p):
+        selected = include_p is None or matches_any(name, include_p)
+        if not selected or matches_any(name, exclude_p):
             report.skipped.append(name)
         else:
             targets.append(name)
     for name in targets:
         linear = model.get_submodule(name)
-        quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
+        try:
+            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
+        except ValueError as e:  # name the layer
+            raise ValueError(f"{name}: {e}") from e
         report.bytes_before += _nbytes(linear)
         report.bytes_after += _nbytes(quantized)
         report.relative_errors[name] = quantized.quantization_error

@@ -11,64 +11,19 @@ through the same `Quantizer` interface and `register_quantizer`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import formats
-from .formats import E2M1_VALUES, INT4_OFFSET
+from .formats import E2M1_VALUES, FP16_MAX, INT4_OFFSET
+from .layouts.dense import QuantizedWeight
 
 # Rows of N quantized at once: bounds the search's temporary memory.
 _ROW_CHUNK_ELEMENTS = 1 << 20
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _REFIT_ROUNDS = 2
-_FP16_MAX = 65504.0
 _FP16_TINY = 2.0 ** -14  # smallest normal fp16: keeps w / scale finite
-
-
-@dataclass
-class QuantizedWeight:
-    """A packed weight and what is needed to interpret it (docs/FORMAT.md)."""
-
-    packed: torch.Tensor  # int32 [K/8, N], K padded
-    scales: torch.Tensor  # fp16 [G, N]
-    zeros: Optional[torch.Tensor]  # fp16 [G, N] for uint4, else None
-    weight_format: str
-    group_size: int
-    in_features: int  # unpadded K
-    out_features: int  # N
-    relative_error: float = float("nan")  # ||W - Wq|| / ||W|| when quantized from floats
-
-    @property
-    def padded_in_features(self) -> int:
-        return self.packed.shape[0] * formats.PACK_FACTOR
-
-    @classmethod
-    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
-                   in_features=None, out_features=None) -> "QuantizedWeight":
-        """Pack codes [K, N] (0..15) with their scales/zeros [G, N]; validates everything."""
-        packed = formats.pack_codes(codes)
-        k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
-        in_features = k if in_features is None else int(in_features)
-        out_features = n if out_features is None else int(out_features)
-        if not (0 < in_features <= k and k - in_features < formats.padded_in_features(1, group_size)):
-            raise ValueError(f"in_features={in_features} does not fit packed K={k}")
-        if out_features != n:
-            raise ValueError(f"out_features={out_features} must equal N={n}")
-        return cls(packed, scales.contiguous(), None if zeros is None else zeros.contiguous(),
-                   weight_format, group_size, in_features, out_features)
-
-    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
-        """The weight W as [N, in_features] (reference path, float64 inside)."""
-        b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
-                                         self.weight_format, self.group_size, dtype)
-        return b[: self.in_features].t()
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [self.packed, self.scales] + ([self.zeros] if self.zeros is not None else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 Quantizer = Callable[[torch.Tensor, str, int], Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
@@ -96,18 +51,29 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
         raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
     if weight.numel() == 0:
         raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
+    search = _NATIVE.get(_QUANTIZERS[method])
+    if search is not None:
+        return _quantize_native(weight, weight_format, group_size, search)
+    return quantize_weight_reference(weight, weight_format, group_size, method)
+
+
+def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                              method: str = "mse") -> QuantizedWeight:
+    """quantize_weight in plain torch, through the registered Python quantizer: the
+    specification of the C++ path of "mse" and "absmax", and the path of every other method."""
     n, k = weight.shape
     kp = formats.padded_in_features(k, group_size)
     gs = formats.effective_group_size(kp, group_size)
     codes = torch.empty(n, kp, dtype=torch.uint8)
     scales = torch.empty(n, kp // gs, dtype=torch.float16)
-    zeros = torch.empty_like(scales) if weight_format == "uint4" else None
+    zeros = torch.empty_like(scales) if formats.has_zeros(weight_format) else None
     err2 = norm2 = 0.0
     # Row blocks of ~1M weights, converted to float32 one at a time: memory
-    # beyond the weight is its uint8 codes plus one block's scratch.
+    # beyond the weight is its uint8 codes plus one block's scratch. Contiguous,
+    # because a transposed view (GPT-2 Conv1D) makes torch.bucketize warn.
     rows = max(1, _ROW_CHUNK_ELEMENTS // kp)
     for r0 in range(0, n, rows):
-        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32)
+        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32).contiguous()
         if not torch.isfinite(block).all():
             raise ValueError("weight contains NaN or Inf")
         chunk = torch.nn.functional.pad(block, (0, kp - k)).view(-1, kp // gs, gs)
@@ -120,6 +86,36 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
         norm2 += float((chunk ** 2).sum())
     q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
                                    weight_format, group_size, in_features=k, out_features=n)
+    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+    return q
+
+
+def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
+    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
+
+    An fp4-only shorthand; `quantize_weight` is the general form.
+    """
+    q = quantize_weight(weight, "fp4", group_size)
+    return q.packed, q.scales
+
+
+# The built-in quantizers also run in C++ (torch.ops.marlin._quantize_weight,
+# csrc/cpu/quantize_impl.h) on whole weights, straight to the packed layout;
+# the Python functions below are its specification and it matches them bit for
+# bit (tests/test_quantize_native.py).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, search: bool) -> QuantizedWeight:
+    w = weight.detach()
+    if w.device.type != "cpu" or w.dtype not in _NATIVE_DTYPES:
+        w = w.to("cpu", w.dtype if w.dtype in _NATIVE_DTYPES else torch.float32)
+    ratios, rounds = _search_space(search)
+    packed, scales, zeros, sums = torch.ops.marlin._quantize_weight(w, weight_format, group_size, ratios, rounds)
+    n, k = weight.shape
+    q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
+                        in_features=k, out_features=n)
+    err2, norm2 = sums.tolist()
     q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
     return q
 
@@ -148,7 +144,7 @@ def _reconstruct(codes, scales, zeros, weight_format):
 
 
 def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
-    return s.clamp(_FP16_TINY, _FP16_MAX).to(torch.float16)
+    return s.clamp(_FP16_TINY, FP16_MAX).to(torch.float16)
 
 
 # The search evaluates ~40 candidate (scale, zero) pairs per group. It keeps only
@@ -176,9 +172,30 @@ def _round_e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
     return torch.div(y, step).sub_(0.5).ceil_().mul_(step).clamp_(max=6.0)
 
 
+def _search_space(search: bool):
+    """(clip ratios, candidates per ratio): the clipped scale, then least-squares refits."""
+    return (_CLIP_RATIOS, _REFIT_ROUNDS) if search else ([1.0], 1)
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in a fixed order: pairwise halving, x[i] + x[i + n/2],
+    zero-padded to a power of two. torch.sum's order depends on the shape and the build;
+    this one the C++ quantizer reproduces exactly, so both pick the same candidates."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.squeeze(-1)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _tree_sum(a * b)
+
+
 def _squared_error(values, scale, groups):
-    diff = torch.addcmul(-groups, values, scale.float().unsqueeze(-1))
-    return torch.linalg.vecdot(diff, diff)
+    diff = values * scale.float().unsqueeze(-1) - groups
+    return _dot(diff, diff)
 
 
 def _keep_better(best, err, scale, zero):
@@ -197,16 +214,17 @@ def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
     qmax = 6.0 if weight_format == "fp4" else 7.0
     absmax = groups.abs().amax(-1)
     best = None
-    for ratio in (_CLIP_RATIOS if search else [1.0]):
+    ratios, rounds = _search_space(search)
+    for ratio in ratios:
         scale = _to_fp16_scale(absmax * ratio / qmax)
-        for _ in range(_REFIT_ROUNDS if search else 1):
+        for round_ in range(rounds):
             v = _values(groups, scale, None, weight_format)
             best = _keep_better(best, _squared_error(v, scale, groups), scale, None)
-            if not search:
+            if round_ + 1 == rounds:
                 break
             # Least-squares scale for these codes: argmin_s ||v*s - w||.
-            vv = torch.linalg.vecdot(v, v)
-            refit = torch.linalg.vecdot(v, groups) / vv.clamp_min(1e-30)
+            vv = _dot(v, v)
+            refit = _dot(v, groups) / vv.clamp_min(1e-30)
             scale = _to_fp16_scale(torch.where(vv > 0, refit, scale.float()))
     scale = best[1]
     return _round_codes(groups / scale.float().unsqueeze(-1), weight_format), scale, None
@@ -216,27 +234,29 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
     # The range always contains 0, so the zero point stays within 0..15.
     lo = groups.amin(-1).clamp(max=0)
     hi = groups.amax(-1).clamp(min=0)
-    w_mean = groups.mean(-1)
+    n = groups.shape[-1]
+    w_mean = _tree_sum(groups) / n
     w_centered = groups - w_mean.unsqueeze(-1)
     best = None
-    for ratio in (_CLIP_RATIOS if search else [1.0]):
+    ratios, rounds = _search_space(search)
+    for ratio in ratios:
         scale = _to_fp16_scale((hi - lo) * ratio / 15.0)
         zero = (-lo * ratio / scale.float()).to(torch.float16)
-        for _ in range(_REFIT_ROUNDS if search else 1):
+        for round_ in range(rounds):
             v = _values(groups, scale, zero, weight_format)  # q - zero
             best = _keep_better(best, _squared_error(v, scale, groups), scale, zero)
-            if not search:
+            if round_ + 1 == rounds:
                 break
             # Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
             q = v.add_(zero.float().unsqueeze(-1))
-            q_mean = q.mean(-1)
+            q_mean = _tree_sum(q) / n
             q_centered = q.sub_(q_mean.unsqueeze(-1))
-            var = torch.linalg.vecdot(q_centered, q_centered)
-            a = torch.linalg.vecdot(q_centered, w_centered) / var.clamp_min(1e-30)
+            var = _dot(q_centered, q_centered)
+            a = _dot(q_centered, w_centered) / var.clamp_min(1e-30)
             ok = (var > 0) & (a > _FP16_TINY)
             new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
             b = w_mean - a * q_mean
-            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-_FP16_MAX, _FP16_MAX)
+            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-FP16_MAX, FP16_MAX)
             scale, zero = new_scale, new_zero.to(torch.float16)
     scale, zero = best[1], best[2]
     codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
@@ -245,7 +265,7 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
 
 def _rtn(search: bool) -> Quantizer:
     def quantize(groups, weight_format, group_size):
-        if weight_format == "uint4":
+        if formats.has_zeros(weight_format):
             return _asymmetric(groups, weight_format, search)
         return _symmetric(groups, weight_format, search)
     return quantize
@@ -253,3 +273,5 @@ def _rtn(search: bool) -> Quantizer:
 
 register_quantizer("mse", _rtn(search=True))
 register_quantizer("absmax", _rtn(search=False))
+# Registered Python quantizer -> `search` of its C++ implementation.
+_NATIVE = {_QUANTIZERS["mse"]: True, _QUANTIZERS["absmax"]: False}

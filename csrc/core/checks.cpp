@@ -17,22 +17,12 @@ void check_group_tensor(const at::Tensor& t, const char* name, const at::Tensor&
 
 }  // namespace
 
-WeightFormat parse_weight_format(const std::string& weight_format) {
-  if (weight_format == "fp4") return WeightFormat::kFp4;
-  if (weight_format == "uint4") return WeightFormat::kUint4;
-  if (weight_format == "int4") return WeightFormat::kInt4;
-  TORCH_CHECK_VALUE(false, "weight_format must be one of ('fp4', 'uint4', 'int4'), got '",
-                    weight_format, "'");
-}
-
 QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& zeros,
                                const std::string& weight_format, int64_t group_size) {
   QuantizedShape s{};
   s.format = parse_weight_format(weight_format);
-  TORCH_CHECK_VALUE(group_size == -1 || group_size == 16 || group_size == 32 || group_size == 64 ||
-                        group_size == 128 || group_size == 256,
-                    "group_size must be one of (16, 32, 64, 128, 256, -1), got ", group_size);
+  check_group_size(group_size);
   TORCH_CHECK(packed.scalar_type() == at::kInt, "packed must be int32, got ", packed.scalar_type());
   TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [K/8, N], got shape ", packed.sizes());
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
@@ -49,8 +39,8 @@ QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scale
     s.group_rows = group_size;
   }
   check_group_tensor(scales, "scales", packed, s.groups, s.n);
-  if (s.format == WeightFormat::kUint4) {
-    TORCH_CHECK_VALUE(zeros.has_value(), "zeros is required for weight_format='uint4'");
+  if (has_zeros(s.format)) {
+    TORCH_CHECK_VALUE(zeros.has_value(), "zeros is required for weight_format='", weight_format, "'");
     check_group_tensor(*zeros, "zeros", packed, s.groups, s.n);
   } else {
     TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='", weight_format,

@@ -1,5 +1,5 @@
-// Argument validation shared by every backend (CPU, MPS, and the emulator
-// path of the tests). Mirrors torch_marlin/formats.py:check_quantized.
+// Argument validation of the dense layout, shared by every backend (CPU, MPS,
+// and the emulator path of the tests). Mirrors torch_marlin/formats.py:check_quantized.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -7,12 +7,9 @@
 
 #include <string>
 
+#include "core/formats.h"
+
 namespace marlin {
-
-enum class WeightFormat { kFp4 = 0, kUint4 = 1, kInt4 = 2 };
-
-constexpr int64_t kPackFactor = 8;  // 4-bit codes per int32 word, along K
-constexpr int64_t kInt4Offset = 8;  // int4 is offset-binary: q - 8
 
 // Parsed and validated view of a packed weight.
 struct QuantizedShape {
@@ -22,8 +19,6 @@ struct QuantizedShape {
   int64_t groups;      // rows of scales/zeros
   int64_t group_rows;  // K rows per group (K itself for group_size = -1)
 };
-
-WeightFormat parse_weight_format(const std::string& weight_format);
 
 // Checks packed/scales/zeros against docs/FORMAT.md and each other.
 QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,

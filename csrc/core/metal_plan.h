@@ -1,8 +1,14 @@
-// Dispatch plan of the Metal kernels (metal/*.metal): for one op call, which
+// Dispatch plans of the Metal kernels (metal/*.metal): for one op call, which
 // kernels to launch, with which function constants, grid, threadgroup size,
-// threadgroup memory and buffer bindings. Pure C++ (no Metal), so the same
-// function drives the MPS bridge (csrc/mps/*.mm) and the emulator path of the
-// tests (torch.ops.marlin._metal_plan -> torch_marlin.testing.run_metal).
+// threadgroup memory and buffer bindings, and which output and workspace
+// buffers to allocate. Pure C++ (no Metal): the same planner drives the MPS
+// ops (csrc/mps/) and the emulator path of the tests
+// (torch.ops.marlin._metal_plan_<op> -> torch_marlin.testing.run_metal).
+//
+// A layout's planners live in csrc/core/metal_plan_<layout>.cpp: one typed
+// function per op, taking the op's own arguments, validating them like the
+// CPU op and returning a Plan; MARLIN_REGISTER_METAL_OP(op, planner) there
+// registers both `_metal_plan_<op>` and the op's MPS kernel.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,75 +17,145 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "core/checks.h"
+#include "core/formats.h"
 
 namespace marlin {
 namespace metal {
 
-constexpr int64_t kMaxThreadgroupMemory = 32 * 1024;  // bytes, every Apple GPU
-constexpr int64_t kGemvMaxRows = 8;                   // M <= 8: GEMV
-constexpr int64_t kFusedMaxRows = 64;                 // 8 < M <= 64: fused GEMM, else tiled
-constexpr int64_t kGemmTileN = 64;                    // GEMM tiles: TM x 64
-constexpr int64_t kGemmTileK = 32;                    // K per pipeline stage
-constexpr int64_t kGemvSimdgroups = 8;                // GEMV threadgroup: 8 x 32 threads
-constexpr int64_t kSplitTargetThreadgroups = 128;     // K-split when fewer output tiles
-constexpr int64_t kSplitMinK = 512;                   // at least this much K per split
-constexpr int64_t kSplitMax = 16;
-
-// What a buffer index is bound to.
-enum class Arg {
-  kX,        // activations [M, K] (x dtype), contiguous
-  kPacked,   // int32 [K/8, N]
-  kScales,   // fp16 [G, N]
-  kZeros,    // fp16 [G, N] (uint4), else any small dummy buffer (never read)
-  kBias,     // [N] x dtype, else any small dummy buffer (never read)
-  kOut,      // result: [M, N] (gemm) or [K, N] (dequantize), output dtype
-  kPartial,  // fp32 workspace [splits, M, N]
-  kScalar,   // 32-bit unsigned scalar (setBytes), value in `value`
+// What a kernel's [[buffer(index)]] is bound to.
+enum class Source : uint8_t {
+  kArg,        // the op's argument number `slot` (a Tensor; None binds a dummy never read)
+  kOutput,     // Plan::outputs[slot]
+  kWorkspace,  // Plan::workspaces[slot]
+  kScalar,     // a 32-bit unsigned constant (setBytes): `value`
 };
 
 struct Binding {
   int index;
-  Arg arg;
-  uint32_t value = 0;  // kScalar only
+  Source source;
+  int slot = 0;
+  uint32_t value = 0;
+};
+
+// A buffer the runner allocates (contiguous, uninitialized).
+struct Buffer {
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+};
+
+// A function constant's value (MARLIN_FOR_EACH_FUNCTION_CONSTANT): bool or uint.
+struct Constant {
+  int index;
+  bool is_bool;
+  uint32_t value;
 };
 
 struct Launch {
   std::string source;  // metal/<source>.metal
   std::string kernel;  // [[host_name]]
-  std::vector<std::pair<int, bool>> bool_constants;  // function_constant index -> value
-  std::array<int64_t, 3> grid{1, 1, 1};         // threadgroups per grid
-  std::array<int64_t, 3> threadgroup{1, 1, 1};  // threads per threadgroup
+  std::vector<Constant> constants;  // every function constant the kernel reads
+  std::array<int64_t, 3> grid{1, 1, 1};              // threadgroups per grid
+  std::array<int64_t, 3> threadgroup{1, 1, 1};       // threads per threadgroup
   int64_t threadgroup_memory = 0;  // bytes for [[threadgroup(0)]] (multiple of 16)
+  // Fewest threads along x the kernel is written for (it reads its simdgroup
+  // count at run time; threadgroup memory stays sized for `threadgroup`, an
+  // upper bound). 0: it needs exactly `threadgroup`. See fit_threadgroup.
+  int64_t min_threads_x = 0;
   std::vector<Binding> bindings;
+
+  void set(FunctionConstant c, bool value) { constants.push_back({c, true, value ? 1u : 0u}); }
+  void set(FunctionConstant c, uint32_t value) { constants.push_back({c, false, value}); }
 };
 
 struct Plan {
-  std::string op;  // "gemm" or "dequantize"
-  int64_t m = 0, n = 0, k = 0, group_rows = 0, splits = 1;
-  at::ScalarType dtype = at::kHalf;  // activation (gemm) or output (dequantize) dtype
-  WeightFormat format = WeightFormat::kFp4;
-  int64_t partial_floats = 0;  // fp32 workspace elements (0: none)
-  std::vector<Launch> launches;  // in order, on one command encoder
+  std::string op;                      // "gemm", "dequantize", ...
+  std::vector<Buffer> outputs;         // outputs[0] is the op's result
+  std::vector<int64_t> result_shape;   // ... returned viewed as this shape
+  std::vector<Buffer> workspaces;
+  std::vector<Launch> launches;        // in order, on one command encoder
+  std::string details;                 // JSON object members describing the problem (tests, benchmarks)
 };
 
-// Shape-only planners (no tensors).
-Plan plan_gemm(int64_t m, int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
-               int64_t group_rows, bool has_bias);
-Plan plan_dequantize(int64_t n, int64_t k, WeightFormat format, at::ScalarType dtype,
-                     int64_t group_rows);
+int64_t ceil_div(int64_t a, int64_t b);
+const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name suffixes
+int64_t dtype_size(at::ScalarType t);
+uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
+void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)
 
-// Validate like the CPU op (core/checks.h) and plan. `x`/`bias` for gemm,
-// `dtype` for dequantize.
-Plan plan_for_tensors(const std::string& op, const at::Tensor& packed, const at::Tensor& scales,
-                      const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& x,
-                      const c10::optional<at::Tensor>& bias, const std::string& weight_format,
-                      int64_t group_size, c10::optional<at::ScalarType> dtype);
+// The threadgroup to dispatch `launch` with on a pipeline that allows at most
+// `max_threads` threads per threadgroup (Metal's maxTotalThreadsPerThreadgroup,
+// which shrinks with a kernel's register use): the planned one if it fits,
+// else, for a kernel written for it (min_threads_x > 0), x reduced to whole
+// simdgroups down to min_threads_x; otherwise an error naming the kernel.
+// The MPS bridge and run_metal(..., max_threads_per_threadgroup=) both use it.
+std::array<int64_t, 3> fit_threadgroup(const Launch& launch, int64_t max_threads);
 
+// Every kernel assumes 32-lane simdgroups (kSimdWidth): an error naming the
+// kernel if a pipeline reports another threadExecutionWidth.
+void check_simd_width(const std::string& kernel, int64_t thread_execution_width);
+
+// The Macs the kernels are built for: macOS kMinMacOS (Metal Shading
+// Language 3.1, for bfloat; the bridge compiles with MTLLanguageVersion3_1)
+// and an Apple-silicon GPU (MTLGPUFamilyApple7: simdgroup_matrix, 32-lane
+// simdgroups). Empty if this one qualifies, else the error to raise. The MPS
+// bridge reads the OS version and the GPU family and raises this at first use.
+inline constexpr int64_t kMinMacOSMajor = 14, kMinMacOSMinor = 0;
+std::string metal_support_problem(int64_t macos_major, int64_t macos_minor, bool apple7_gpu);
+
+// The plan as JSON, arguments named as in the op's schema.
 std::string to_json(const Plan& plan);
-const char* arg_name(Arg arg);
 
 }  // namespace metal
+
+namespace mps {
+// Runs a plan on PyTorch's MPS stream (csrc/mps/run_plan.cpp): allocates the
+// outputs and workspaces, binds `args` (the op's arguments in schema order,
+// undefined for non-tensors and None) and encodes the launches. Returns the
+// outputs, outputs[0] viewed as plan.result_shape.
+std::vector<at::Tensor> run_plan(const metal::Plan& plan, const std::vector<at::Tensor>& args);
+}  // namespace mps
+
+namespace metal {
+namespace detail {
+
+inline void collect(std::vector<at::Tensor>& out, const at::Tensor& t) { out.push_back(t); }
+inline void collect(std::vector<at::Tensor>& out, const c10::optional<at::Tensor>& t) {
+  out.push_back(t.has_value() ? *t : at::Tensor());
+}
+template <typename T>
+void collect(std::vector<at::Tensor>& out, const T&) {
+  out.emplace_back();  // not a tensor argument
+}
+
+template <auto Planner>
+struct Registered;
+
+// Planner: Plan (Args...) with the op's arguments. `json` implements
+// _metal_plan_<op>; `mps` implements the op on the MPS device.
+template <typename... Args, Plan (*Planner)(Args...)>
+struct Registered<Planner> {
+  static std::string json(Args... args) { return to_json(Planner(args...)); }
+  static at::Tensor mps(Args... args) {
+    const Plan plan = Planner(args...);
+    std::vector<at::Tensor> tensors;
+    (collect(tensors, args), ...);
+    return mps::run_plan(plan, tensors)[0];
+  }
+};
+
+}  // namespace detail
+}  // namespace metal
 }  // namespace marlin
+
+// In a planner file: the plan op for every device and the op's MPS kernel.
+#define MARLIN_REGISTER_METAL_OP(op, planner)                                              \
+  TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) {                               \
+    m.impl("_metal_plan_" #op, &::marlin::metal::detail::Registered<&planner>::json);    \
+  }                                                                                        \
+  TORCH_LIBRARY_IMPL(marlin, MPS, m) {                                                     \
+    m.impl(#op, &::marlin::metal::detail::Registered<&planner>::mps);                     \
+  }

@@ -2,10 +2,13 @@
 #pragma once
 #include <stdint.h>
 
+#include "marlin_common.h"  // WeightFormat
+
 namespace marlin {
 namespace cpu {
 
-enum { kFormatFp4 = 0, kFormatUint4 = 1, kFormatInt4 = 2 };  // = marlin::WeightFormat
+// The kernels' template argument F (int) takes these.
+constexpr int kFormatFp4 = kFp4, kFormatUint4 = kUint4, kFormatInt4 = kInt4;
 
 struct GemmArgs {
   const float* x;          // [m, k] fp32, contiguous (null for dequantize, or when x_bf16 is set)

@@ -65,7 +65,7 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     a.m = m;
     // uint4's zero point is applied per group, as zero * sum of x over the group.
     at::Tensor xsum;
-    if (s.format == WeightFormat::kUint4) {
+    if (has_zeros(s.format)) {
       xsum = x2.view({m, s.groups, s.group_rows}).sum(-1, false, at::kFloat).contiguous();
       a.xsum = xsum.data_ptr<float>();
     }

@@ -1,23 +1,24 @@
-// Interface between the MPS ops (ops.mm, plain C++ in effect) and the thin
+// Interface between the plan runner (run_plan.cpp, plain C++) and the thin
 // Objective-C++ layer that talks to Metal (metal_encode.mm). No Objective-C
 // types here.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <vector>
+
 #include "core/metal_plan.h"
 
 namespace marlin {
 namespace mps {
 
-// Tensors for the plan's Arg roles (every one defined: unused roles get a
-// dummy buffer that the kernels never read). All on the MPS device.
-struct PlanTensors {
-  at::Tensor x, packed, scales, zeros, bias, out, partial;
-};
+// The tensor bound at each binding of each launch (plan.launches[i].bindings[j]
+// -> buffers[i][j]; undefined for scalar bindings). All on the MPS device.
+using LaunchBuffers = std::vector<std::vector<at::Tensor>>;
 
 // Encodes plan.launches onto PyTorch's current MPS stream (no commit, no wait).
-void encode_plan(const metal::Plan& plan, const PlanTensors& tensors);
+// metal_encode.mm on macOS; elsewhere an error (no Metal).
+void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers);
 
 }  // namespace mps
 }  // namespace marlin

@@ -14,7 +14,7 @@ from hf_helpers import leftovers, load_float
 from torch_marlin.cli import main as cli_main
 from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
-from torch_marlin.hf.safetensors_io import CheckpointError
+from torch_marlin.hf.errors import CheckpointError
 
 
 @pytest.fixture
@@ -112,6 +112,15 @@ def test_non_float_linear_weight(src, tmp_path, capsys):
     tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(128, 64, dtype=torch.int16)
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     _fails(src, tmp_path, "float weight", capsys)
+
+
+def test_nan_in_a_linear_weight(src, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight"][5, 7] = float("nan")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    _fails(src, tmp_path, r"layers\.1\.self_attn\.o_proj\.weight: weight contains NaN or Inf \(row 5\)", capsys)
 
 
 def test_unsupported_dtype_in_header(src, tmp_path, capsys):

@@ -206,11 +206,23 @@ def test_cli_usage_errors(capsys):
 def test_python_dash_m(tiny_model_dir, tmp_path):
     dst = str(tmp_path / "q")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, "-m", "torch_marlin.convert", tiny_model_dir("gpt2"), dst,
+    # -W error: runpy warns (RuntimeWarning) when the module it runs was already imported.
+    run = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "torch_marlin.convert",
+                          tiny_model_dir("gpt2"), dst,
                           "--format", "fp4", "--group-size", "32", "--quantizer", "absmax", "--no-progress"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "converted 8 linear layers" in run.stdout
+
+
+def test_help_lists_registered_sources(capsys):
+    from torch_marlin.hf.importers import supported_sources
+
+    assert cli_main(["convert", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert len(supported_sources()) >= 5
+    for label in supported_sources():
+        assert label in text
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -12,7 +12,7 @@ import torch
 
 from hf_helpers import check_imported, nibble, read_config, to_int32, write_quantized_model
 from torch_marlin.convert import convert
-from torch_marlin.hf.safetensors_io import CheckpointError
+from torch_marlin.hf.errors import CheckpointError
 
 
 def _ct_layer(weight, group_size, sym, scale_dtype=torch.float16, shape_dtype=torch.int64):

@@ -151,7 +151,7 @@ def test_awq_import_is_exact(tiny_model_dir, tmp_path, group_size):
 
 
 def test_awq_gemv_version_is_refused(tiny_model_dir, tmp_path):
-    from torch_marlin.hf.safetensors_io import CheckpointError
+    from torch_marlin.hf.errors import CheckpointError
 
     float_dir = tiny_model_dir("llama")
     src = str(tmp_path / "awq")

@@ -4,11 +4,10 @@ import functools
 
 import torch
 
+from torch_marlin.formats import ACTIVATION_DTYPES as DTYPES  # noqa: F401  (re-exported to the tests)
+from torch_marlin.formats import GROUP_SIZES  # noqa: F401
+from torch_marlin.formats import WEIGHT_FORMATS as FORMATS  # noqa: F401
 from torch_marlin.formats import pack_codes
-
-FORMATS = ("fp4", "uint4", "int4")
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-GROUP_SIZES = (16, 32, 64, 128, 256, -1)
 SEEDS = (0, 1)  # two random emulator schedules per case
 
 # Max |metal - cpu| / max |cpu| for gemm. Both accumulate in fp32 (different
@@ -48,3 +47,15 @@ def make_weight(fmt, k, n, group_size, codes=None, gen=None):
 def rel_err(out, ref):
     out, ref = out.double(), ref.double()
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# Largest rel_err seen per (kernel family, dtype) in this session, printed at
+# the end of the run (conftest.py): the figures docs/KERNELS.md quotes.
+LARGEST_ERRORS = {}
+
+
+def record_error(kernel, dtype, err):
+    parts = kernel.split("_")  # marlin_gemv_fp4_f16, marlin_gemm_fused_fp4_f16_tm32, ...
+    family = "_".join(parts[1:3]) if parts[1] == "gemm" else parts[1]
+    key = (family, str(dtype).split(".")[-1])
+    LARGEST_ERRORS[key] = max(LARGEST_ERRORS.get(key, 0.0), err)

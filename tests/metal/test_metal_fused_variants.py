@@ -1,4 +1,4 @@
-"""Design note 002's B staging (lanes 0-7 + simdgroup barriers) against
+"""Staging B through threadgroup memory (lanes 0-7 + simdgroup barriers) against
 dequantizing straight into simdgroup_matrix fragments (thread_elements, what
 metal/gemm_fused.metal does), measured on the emulator with a test-only
 instrumented kernel (tests/metal/kernels/fused_b_variants.metal)."""

@@ -8,7 +8,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .safetensors_io import CheckpointError, TensorInfo, read_header, read_tensor
+from .errors import CheckpointError
+from .safetensors_io import TensorInfo, read_header, read_tensor
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
@@ -43,7 +44,6 @@ class SourceCheckpoint:
             raise CheckpointError(f"source model directory not found: {directory}")
         self.directory = directory
         self.config = read_json(os.path.join(directory, "config.json"), "config.json")
-        self.weight_files: List[str] = []
         self._expected: Optional[Dict[str, str]] = None  # weight_map of a safetensors index
         self._infos: Dict[str, TensorInfo] = {}
         self._pickle: Dict[str, Tuple[str, torch.dtype, Tuple[int, ...]]] = {}
@@ -79,7 +79,6 @@ class SourceCheckpoint:
                 if key in self._infos:
                     raise CheckpointError(f"tensor {key!r} appears in two files")
                 self._infos[key] = info
-            self.weight_files.append(name)
         if self._expected is not None:
             for key, file in self._expected.items():
                 info = self._infos.get(key)
@@ -106,7 +105,6 @@ class SourceCheckpoint:
                 if not isinstance(tensor, torch.Tensor):
                     raise CheckpointError(f"{name}: entry {key!r} is not a tensor")
                 self._pickle[key] = (name, tensor.dtype, tuple(tensor.shape))
-            self.weight_files.append(name)
 
     def _load_pickle(self, name: str) -> dict:
         if self._pickle_cache[0] == name:
@@ -127,10 +125,6 @@ class SourceCheckpoint:
         return state
 
     # --- access -------------------------------------------------------------------
-
-    @property
-    def is_pickle(self) -> bool:
-        return bool(self._pickle)
 
     def keys(self) -> List[str]:
         if self._infos:

@@ -18,7 +18,7 @@ from collections import Counter
 from typing import Dict, List
 
 from .. import formats
-from .safetensors_io import CheckpointError
+from .errors import CheckpointError
 
 QUANT_METHOD = "torch_marlin"
 FORMAT_VERSION = 1

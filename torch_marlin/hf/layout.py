@@ -11,7 +11,6 @@ fallback is used and said so.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import io
 import re
 import warnings
@@ -20,6 +19,8 @@ from typing import Dict, Iterable, List, Optional, Set
 
 import torch
 from torch import nn
+
+from ..linear import is_conv1d, is_float_linear
 
 # Weights that stay in float in the name-based fallback (embeddings, heads, norms).
 _FALLBACK_FLOAT = re.compile(r"(embed|wte|wpe|lm_head|norm|ln_|layernorm|\bln\b|score|classifier)", re.I)
@@ -53,14 +54,6 @@ class ModelLayout:
             if name.startswith(self.prefix + ".") and name[len(self.prefix) + 1:] in pool:
                 return name[len(self.prefix) + 1:]
         return None
-
-
-def matches_any(name: str, patterns: Iterable[str]) -> bool:
-    """Glob match on a module name; a plain pattern also matches a last-name suffix (lm_head)."""
-    for pattern in patterns:
-        if fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern):
-            return True
-    return False
 
 
 def build_meta_model(directory: str):
@@ -98,13 +91,12 @@ def describe_model(directory: str, tensor_shapes: Dict[str, tuple]) -> ModelLayo
 def layout_of_model(model: nn.Module) -> ModelLayout:
     layout = ModelLayout(prefix=getattr(model, "base_model_prefix", "") or "",
                          architecture=type(model).__name__)
-    conv1d = _conv1d_class()
     for name, module in model.named_modules():
-        if type(module) is nn.Linear:
+        if is_conv1d(module):
+            layout.linears[name] = LinearSpec("conv1d", module.nx, module.nf, module.bias is not None)
+        elif is_float_linear(module):
             layout.linears[name] = LinearSpec("linear", module.in_features, module.out_features,
                                               module.bias is not None)
-        elif conv1d is not None and type(module) is conv1d:
-            layout.linears[name] = LinearSpec("conv1d", module.nx, module.nf, module.bias is not None)
     get_output = getattr(model, "get_output_embeddings", None)
     output = get_output() if callable(get_output) else None
     if output is not None:
@@ -115,14 +107,6 @@ def layout_of_model(model: nn.Module) -> ModelLayout:
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         layout.tied.update(layout.output_embeddings)
     return layout
-
-
-def _conv1d_class():
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return None
-    return Conv1D
 
 
 def _fallback_layout(tensor_shapes: Dict[str, tuple]) -> ModelLayout:

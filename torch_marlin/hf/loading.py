@@ -9,7 +9,7 @@ import torch
 
 from .checkpoint import read_json
 from .config import QUANT_METHOD, validate_quantization_config
-from .safetensors_io import CheckpointError
+from .errors import CheckpointError
 
 
 def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",

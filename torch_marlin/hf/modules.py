@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterable, List, Optional
 
 import torch
 from torch import nn
 
-from ..linear import MarlinLinear
-from ..quantize import quantize_weight
-from .layout import LinearSpec, layout_of_model, matches_any
-from .safetensors_io import CheckpointError
-
-
-class PermutedInputMarlinLinear(MarlinLinear):
-    """MarlinLinear whose K rows were reordered (GPTQ / compressed-tensors act-order):
-    groups are contiguous after the permutation, so the input is permuted the same way."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
-                 group_size: int = 128, device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
-        self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.index_select(-1, self.input_perm.to(torch.long)))
+from ..linear import MarlinLinear, PermutedInputMarlinLinear
+from ..model import quantize_model
+from .errors import CheckpointError
+from .layout import LinearSpec, layout_of_model
 
 
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
@@ -42,12 +30,37 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
                                   f"but the model expects {spec.in_features}x{spec.out_features}")
         old = model.get_submodule(name)
         dtype = old.weight.dtype if old.weight.is_floating_point() else None
-        cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
-        model.set_submodule(name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
-                                      entry["group_size"], device=device, dtype=dtype))
+        model.set_submodule(name, empty_marlin(entry, spec.bias, device=device, dtype=dtype))
         replaced.append(name)
     _skip_parent_init(model, replaced)
+    _layout_state_may_be_absent(model, replaced)
     return replaced
+
+
+def empty_marlin(entry: dict, bias: bool = False, device="meta", dtype=None) -> MarlinLinear:
+    """The empty MarlinLinear that a `modules` table entry (config.py) describes."""
+    cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
+    return cls(entry["in_features"], entry["out_features"], bias, entry["weight_format"], entry["group_size"],
+               device=device, dtype=dtype)
+
+
+def layout_state(entry: dict) -> torch.Tensor:
+    """The `_extra_state` (layout guard) of the MarlinLinear a `modules` entry describes: the
+    converter writes it next to the layer's tensors, so that loading the tensors into a module
+    built with another format or group size fails as it does for a state_dict."""
+    return empty_marlin(entry).get_extra_state()
+
+
+def _layout_state_may_be_absent(model: nn.Module, replaced: List[str]) -> None:
+    """The modules were built from the config's table, which is authoritative; checkpoints
+    converted before `_extra_state` was written lack it. Tell transformers that its absence is
+    expected, so its load report does not list it as "MISSING, newly initialized". When present
+    it is loaded through MarlinLinear.set_extra_state, which raises on a layout mismatch."""
+    if not replaced:
+        return
+    pattern = "^(?:" + "|".join(re.escape(name) for name in replaced) + r")\._extra_state$"
+    model._keys_to_ignore_on_load_missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()) | {
+        pattern}
 
 
 def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
@@ -63,26 +76,14 @@ def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
 
 def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: int, quantizer: str = "mse",
                             skip: Iterable[str] = ()) -> Dict[str, dict]:
-    """Quantize loaded nn.Linear / Conv1D layers in place (quantize-on-load);
+    """Quantize loaded linear layers in place (quantize-on-load) with quantize_model;
     returns the `modules` table for the config."""
-    layout = layout_of_model(model)
-    skip = list(skip)
+    report = quantize_model(model, weight_format, group_size, exclude=list(skip), method=quantizer)
     table = {}
-    for name, spec in layout.linears.items():
-        if name in layout.tied or matches_any(name, skip):
-            continue
-        old = model.get_submodule(name)
-        weight = old.weight.detach()
-        if weight.device.type == "meta":
-            raise CheckpointError(f"{name}.weight was not loaded; cannot quantize it")
-        if spec.kind == "conv1d":
-            weight = weight.t()
-        q = quantize_weight(weight, weight_format, group_size, quantizer)
-        bias = None if old.bias is None else old.bias.detach().cpu()
-        new = MarlinLinear.from_quantized(q, bias).to(old.weight.device)
-        model.set_submodule(name, new)
+    for name in report.replaced:
+        q = model.get_submodule(name)
         table[name] = {"weight_format": weight_format, "group_size": group_size,
-                       "in_features": spec.in_features, "out_features": spec.out_features}
+                       "in_features": q.in_features, "out_features": q.out_features}
     return table
 
 

@@ -16,9 +16,11 @@ import os
 import shutil
 import struct
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from .errors import CheckpointError
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -31,10 +33,6 @@ if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 2 ** 20
-
-
-class CheckpointError(ValueError):
-    """A source checkpoint is missing, corrupt or not what its config says."""
 
 
 @dataclass(frozen=True)
@@ -193,8 +191,3 @@ class ShardedWriter:
         if self._data is not None:
             self._data.close()
             self._data = None
-
-
-def iter_items(tensors: Dict[str, TensorInfo]) -> Iterator[Tuple[str, TensorInfo]]:
-    """Tensors in file order, so reading streams through each file once."""
-    return iter(sorted(tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)))

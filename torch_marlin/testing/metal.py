@@ -1,11 +1,13 @@
 """Run the Metal dispatch of torch.ops.marlin.* on the CPU through mslsim.
 
 `run_metal(op_name, *args, **kwargs)` takes the arguments of
-`torch.ops.marlin.<op_name>` (CPU tensors), asks the C++ dispatch plan
-(`torch.ops.marlin._metal_plan`, csrc/core/metal_plan.cpp, the function the
-MPS bridge uses) which kernels to launch with which grid, threadgroup size,
-threadgroup memory, function constants and buffer bindings, runs exactly
-those launches on the MSL emulator and returns the op's result as CPU tensors.
+`torch.ops.marlin.<op_name>` (CPU tensors), asks the op's C++ dispatch plan
+(`torch.ops.marlin._metal_plan_<op_name>`, csrc/core/metal_plan_*.cpp, the
+same planner the MPS op runs) which kernels to launch with which grid,
+threadgroup size, threadgroup memory, function constants and buffer bindings
+and which outputs and workspaces to allocate, runs exactly those launches on
+the MSL emulator and returns the op's result as a CPU tensor. Any op with a
+plan works, bound by its schema: nothing here is specific to one op.
 """
 
 from __future__ import annotations
@@ -17,13 +19,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-
-_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
-_SIGNATURES = {
-    "gemm": ("x", "packed", "scales", "zeros", "bias", "weight_format", "group_size"),
-    "dequantize": ("packed", "scales", "zeros", "weight_format", "group_size", "dtype"),
-}
-_DEFAULTS = {"dequantize": {"dtype": None}}
 
 _libs: Dict[Tuple[str, str], Any] = {}
 _lock = threading.Lock()
@@ -53,20 +48,33 @@ def library(source: str):
         return _libs[key]
 
 
+def _schema(op_name: str):
+    """The schema of torch.ops.marlin.<op_name>, if the op has a Metal dispatch plan."""
+    import torch_marlin.ops  # noqa: F401  (loads torch.ops.marlin)
+
+    if not isinstance(op_name, str) or not hasattr(torch.ops.marlin, f"_metal_plan_{op_name}"):
+        metal_ops = sorted(name[len("_metal_plan_"):] for name in dir(torch.ops.marlin)
+                           if name.startswith("_metal_plan_"))
+        raise ValueError(f"op_name must be one of {metal_ops}, got {op_name!r}")
+    return getattr(torch.ops.marlin, op_name).default._schema
+
+
 def _bind(op_name: str, args, kwargs) -> Dict[str, Any]:
-    if op_name not in _SIGNATURES:
-        raise ValueError(f"op_name must be one of {tuple(_SIGNATURES)}, got {op_name!r}")
-    names = _SIGNATURES[op_name]
+    """The op's arguments by name (defaults filled in), as torch would bind them."""
+    params = _schema(op_name).arguments
+    names = [p.name for p in params]
     if len(args) > len(names):
         raise TypeError(f"{op_name}() takes {len(names)} arguments, got {len(args)}")
-    bound = dict(_DEFAULTS.get(op_name, {}))
-    bound.update(zip(names, args))
+    bound = dict(zip(names, args))
     for k, v in kwargs.items():
         if k not in names:
             raise TypeError(f"{op_name}() got an unexpected keyword argument {k!r}")
-        if k in names[: len(args)]:
+        if k in bound:
             raise TypeError(f"{op_name}() got multiple values for argument {k!r}")
         bound[k] = v
+    for p in params:
+        if p.name not in bound and p.has_default_value():
+            bound[p.name] = p.default_value
     missing = [n for n in names if n not in bound]
     if missing:
         raise TypeError(f"{op_name}() missing arguments {missing}")
@@ -75,60 +83,63 @@ def _bind(op_name: str, args, kwargs) -> Dict[str, Any]:
 
 def metal_plan(op_name: str, *args, **kwargs) -> dict:
     """The dispatch plan (parsed JSON) the MPS path would execute for this call."""
-    import torch_marlin.ops  # noqa: F401  (loads torch.ops.marlin)
-
     b = _bind(op_name, args, kwargs)
-    return json.loads(torch.ops.marlin._metal_plan(
-        op_name, b["packed"], b["scales"], b["zeros"], b.get("x"), b.get("bias"),
-        b["weight_format"], b["group_size"], b.get("dtype")))
+    return json.loads(getattr(torch.ops.marlin, f"_metal_plan_{op_name}")(**b))
+
+
+def launch_threadgroup(launch: dict, max_threads_per_threadgroup: Optional[int] = None) -> List[int]:
+    """The threadgroup the MPS bridge dispatches `launch` (a plan's launch) with
+    on a pipeline allowing at most `max_threads_per_threadgroup` threads (None:
+    no limit): the planned one, or one shrunk by the bridge's own C++ rule
+    (torch.ops.marlin._metal_fit_threadgroup); raises its error if the kernel
+    cannot run within the limit."""
+    if max_threads_per_threadgroup is None:
+        return list(launch["threadgroup"])
+    return list(torch.ops.marlin._metal_fit_threadgroup(launch["kernel"], launch["threadgroup"],
+                                                         launch["min_threads_x"], max_threads_per_threadgroup))
 
 
 def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: int = 0,
+                         max_threads_per_threadgroup: Optional[int] = None,
                          **kwargs) -> Tuple[torch.Tensor, dict, List[Any]]:
     """run_metal, also returning the plan and each launch's mslsim LaunchStats."""
     b = _bind(op_name, args, kwargs)
     plan = metal_plan(op_name, **b)
-    for name in ("x", "packed", "scales", "zeros", "bias"):
-        t = b.get(name)
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            raise ValueError(f"run_metal needs CPU tensors, {name} is on {t.device}")
-    dtype = _DTYPES[plan["dtype"]]
-    m, n, k = plan["M"], plan["N"], plan["K"]
-    if op_name == "gemm":
-        x = b["x"]
-        out_shape = (*x.shape[:-1], n)
-        out = torch.empty((m, n), dtype=dtype)
-    else:
-        out_shape = (k, n)
-        out = torch.empty((k, n), dtype=dtype)
-    tensors = {
-        "x": b["x"].reshape(m, k).contiguous() if op_name == "gemm" else None,
-        "packed": b["packed"],
-        "scales": b["scales"],
-        # Unused inputs still need a buffer bound (never read by the kernels).
-        "zeros": b["zeros"] if b["zeros"] is not None else torch.zeros(8, dtype=torch.float16),
-        "bias": b.get("bias") if b.get("bias") is not None else torch.zeros(8, dtype=dtype),
-        "out": out,
-        "partial": torch.empty(max(plan["partial_floats"], 4), dtype=torch.float32),
-    }
+    tensors = {}
+    for name, value in b.items():
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "cpu":
+                raise ValueError(f"run_metal needs CPU tensors, {name} is on {value.device}")
+            tensors[name] = value.contiguous()
+        elif value is None:  # an absent optional tensor: bound to a buffer the kernels never read
+            tensors[name] = torch.zeros(16, dtype=torch.uint8)
+    buffers = [*plan["outputs"], *plan["workspaces"]]
+    for spec in buffers:
+        tensors[spec["name"]] = torch.empty(spec["shape"], dtype=getattr(torch, spec["dtype"]))
     stats = []
     for launch in plan["launches"]:
         lib = library(launch["source"])
-        bind = {}
-        for index, role, value in launch["bindings"]:
-            bind[index] = value if role == "scalar" else tensors[role]
+        bind = {index: value if role == "scalar" else tensors[role] for index, role, value in launch["bindings"]}
         tg_mem = {0: launch["threadgroup_memory"]} if launch["threadgroup_memory"] else {}
         consts = {int(i): v for i, v in launch["constants"].items()}
+        threadgroup = launch_threadgroup(launch, max_threads_per_threadgroup)
         stats.append(lib.launch(launch["kernel"], grid=tuple(launch["grid"]),
-                                threadgroup=tuple(launch["threadgroup"]), args=bind,
+                                threadgroup=tuple(threadgroup), args=bind,
                                 threadgroup_memory=tg_mem, constants=consts,
                                 schedule=schedule, seed=seed))
-    return out.view(out_shape), plan, stats
+    out = tensors[plan["outputs"][0]["name"]]
+    return out.view(plan["result_shape"]), plan, stats
 
 
-def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0, **kwargs) -> torch.Tensor:
-    """torch.ops.marlin.<op_name>(*args, **kwargs) through its Metal dispatch, on the emulator."""
-    return run_metal_with_stats(op_name, *args, schedule=schedule, seed=seed, **kwargs)[0]
+def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0,
+              max_threads_per_threadgroup: Optional[int] = None, **kwargs) -> torch.Tensor:
+    """torch.ops.marlin.<op_name>(*args, **kwargs) through its Metal dispatch, on the emulator.
+
+    max_threads_per_threadgroup: run as on a GPU whose pipelines allow at most
+    this many threads per threadgroup (Metal's maxTotalThreadsPerThreadgroup):
+    the launches are sized by the MPS bridge's rule (launch_threadgroup)."""
+    return run_metal_with_stats(op_name, *args, schedule=schedule, seed=seed,
+                                max_threads_per_threadgroup=max_threads_per_threadgroup, **kwargs)[0]
 
 
-__all__ = ["metal_dir", "library", "metal_plan", "run_metal", "run_metal_with_stats"]
+__all__ = ["metal_dir", "library", "metal_plan", "launch_threadgroup", "run_metal", "run_metal_with_stats"]

@@ -1,21 +1,34 @@
-"""Detect a checkpoint's quantization from its config and pick the importer."""
+"""Importers of quantized checkpoints, and how a source's quantization is recognized.
+
+Every module of this package is imported here, and every Importer subclass in
+them that declares QUANT_METHODS registers itself (importers/base.py): adding
+a source format is one new file.
+"""
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Optional, Tuple
+import pkgutil
+from typing import List, Optional, Tuple
 
 from ..checkpoint import SourceCheckpoint, read_json
-from .awq import AWQSource
-from .base import ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization
-from .compressed_tensors import CompressedTensorsSource
+from ..errors import UnsupportedQuantization
+from .base import REGISTERED, ConvertedLayer, Importer, LayerPlan
 from .float_source import FloatSource
-from .fp4 import MXFP4Source, NVFP4Source
-from .gptq import GPTQSource
 
-SUPPORTED_METHODS = ("gptq", "awq", "compressed-tensors", "mxfp4", "modelopt (NVFP4)")
-# Source-side quantization configs that the converted checkpoint must not carry along.
-SOURCE_QUANT_FILES = ("quantize_config.json", "hf_quant_config.json", "quant_config.json")
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def supported_sources() -> List[str]:
+    """How the registered importers are named (for --help and errors)."""
+    return [cls.LABEL or cls.QUANT_METHODS[0] for cls in REGISTERED]
+
+
+def source_side_files() -> Tuple[str, ...]:
+    """Source-side quantization configs that a converted checkpoint must not carry along."""
+    return tuple(name for cls in REGISTERED for name in cls.SIDE_FILES)
 
 
 def source_quantization(source: SourceCheckpoint) -> Tuple[Optional[str], dict]:
@@ -25,42 +38,28 @@ def source_quantization(source: SourceCheckpoint) -> Tuple[Optional[str], dict]:
         raise UnsupportedQuantization(f"config.json quantization_config must be an object, got {qc!r}")
     if qc:
         method = qc.get("quant_method")
-        if method == "modelopt":
-            return "modelopt", qc
         if method is None:
             raise UnsupportedQuantization(f"quantization_config has no 'quant_method': {qc}")
         return str(method).lower(), qc
-    autogptq = os.path.join(source.directory, "quantize_config.json")
-    if os.path.exists(autogptq):
-        qc = read_json(autogptq, "quantize_config.json")
-        return str(qc.get("quant_method", "gptq")).lower(), qc
-    modelopt = os.path.join(source.directory, "hf_quant_config.json")
-    if os.path.exists(modelopt):
-        qc = read_json(modelopt, "hf_quant_config.json")
-        return "modelopt", dict(qc.get("quantization", qc))
+    for cls in REGISTERED:
+        for name in cls.SIDE_FILES:
+            path = os.path.join(source.directory, name)
+            if os.path.exists(path):
+                config = cls.config_from_side_file(name, read_json(path, name))
+                return str(config.get("quant_method", cls.QUANT_METHODS[0])).lower(), config
     return None, {}
 
 
 def make_importer(source: SourceCheckpoint, method: str, config: dict) -> Importer:
-    if method == "gptq":
-        return GPTQSource(source, config=config)
-    if method == "awq":
-        return AWQSource(source, config=config)
-    if method == "compressed-tensors":
-        return CompressedTensorsSource(source, config=config)
-    if method == "mxfp4":
-        return MXFP4Source(source, config=config)
-    if method == "modelopt":
-        algo = str(config.get("quant_algo", "")).upper()
-        if algo != "NVFP4":
-            raise UnsupportedQuantization(f"modelopt quant_algo={algo!r} is not supported (only NVFP4)")
-        return NVFP4Source(source, config=config, flavor="modelopt")
+    """The registered importer for `method` (a quant_method value)."""
+    for cls in REGISTERED:
+        if method in cls.QUANT_METHODS:
+            return cls.from_config(source, method, config)
     if method == "torch_marlin":
         raise UnsupportedQuantization("the source is already a torch_marlin checkpoint")
     raise UnsupportedQuantization(f"unknown or unsupported quantization method {method!r}; "
-                                  f"supported sources: float, {', '.join(SUPPORTED_METHODS)}")
+                                  f"supported sources: float, {', '.join(supported_sources())}")
 
 
-__all__ = ["AWQSource", "CompressedTensorsSource", "ConvertedLayer", "FloatSource", "GPTQSource", "Importer",
-           "LayerPlan", "MXFP4Source", "NVFP4Source", "SOURCE_QUANT_FILES", "SUPPORTED_METHODS",
-           "UnsupportedQuantization", "make_importer", "source_quantization"]
+__all__ = ["ConvertedLayer", "FloatSource", "Importer", "LayerPlan", "UnsupportedQuantization", "make_importer",
+           "source_quantization", "source_side_files", "supported_sources"]

@@ -13,14 +13,18 @@ from typing import Dict
 
 import torch
 
-from .base import (ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, codes_to_layer,
-                   unpack_int32_cols)
+from ..errors import UnsupportedQuantization
+from .base import ConvertedLayer, Importer, LayerPlan, codes_to_layer, unpack_int32_cols
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column (within 8) held by nibble i
 
 
 @dataclass
 class AWQSource(Importer):
+    QUANT_METHODS = ("awq",)
+    SIDE_FILES = ("quant_config.json",)  # AutoAWQ's
+    LABEL = "AWQ"
+
     config: dict = field(default_factory=dict)
     method: str = "awq"
 

@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import ClassVar, Dict, List, Optional, Tuple, Type
 
 import torch
 
 from ... import formats
 from ...quantize import QuantizedWeight
 from ..checkpoint import SourceCheckpoint
-from ..safetensors_io import CheckpointError
+from ..errors import CheckpointError, UnsupportedQuantization
 
-_FP16_MAX = 65504.0
-
-
-class UnsupportedQuantization(CheckpointError):
-    """The source's quantization config or tensors describe something we cannot repack."""
+# Every Importer subclass that names the quant_method values it handles, in
+# definition order (torch_marlin/hf/importers/__init__.py imports every module
+# of the package, so a new importer is one new file).
+REGISTERED: List[Type["Importer"]] = []
 
 
 @dataclass
@@ -25,7 +24,6 @@ class ConvertedLayer:
     qweight: QuantizedWeight
     # Input permutation of K for act-order checkpoints: x' = x[..., input_perm].
     input_perm: Optional[torch.Tensor] = None
-    relative_error: Optional[float] = None  # when quantized from floats
 
 
 @dataclass
@@ -36,11 +34,41 @@ class LayerPlan:
 
 @dataclass
 class Importer:
-    """Base: maps module names to the source tensors of each quantized layer."""
+    """Base: maps module names to the source tensors of each quantized layer.
+
+    A subclass that sets QUANT_METHODS registers itself: `torch-marlin convert`
+    then picks it for a source whose config.json says
+    `quantization_config.quant_method` is one of them, or, without that, whose
+    directory holds one of its SIDE_FILES (read by `config_from_side_file`).
+    """
+
+    QUANT_METHODS: ClassVar[Tuple[str, ...]] = ()  # quant_method values handled (lower case)
+    SIDE_FILES: ClassVar[Tuple[str, ...]] = ()  # quantization configs next to config.json (not copied)
+    LABEL: ClassVar[str] = ""  # how --help names the source
 
     source: SourceCheckpoint
     notes: List[str] = field(default_factory=list)  # inexact values etc., for the summary
     method: str = "float"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.QUANT_METHODS:
+            REGISTERED.append(cls)
+
+    @classmethod
+    def from_config(cls, source: SourceCheckpoint, method: str, config: dict) -> "Importer":
+        """The importer for a source whose quant_method is `method` (one of QUANT_METHODS)."""
+        return cls(source, config=config)
+
+    @classmethod
+    def config_from_side_file(cls, name: str, data: dict) -> dict:
+        """The quantization config held by side file `name` (parsed JSON)."""
+        return data
+
+    def layers_in_float(self, linears: List[str], converted: List[str]) -> List[str]:
+        """Which of the model's linear layers `linears` stay float, given those converted."""
+        done = set(converted)
+        return sorted(name for name in linears if name not in done)
 
     def plan(self) -> Dict[str, LayerPlan]:
         raise NotImplementedError
@@ -97,9 +125,9 @@ class Importer:
         wide = scales.to(torch.float64)
         if not torch.isfinite(wide).all():
             raise UnsupportedQuantization(f"{module}: scales contain NaN or Inf")
-        if wide.abs().max() > _FP16_MAX:
+        if wide.abs().max() > formats.FP16_MAX:
             raise UnsupportedQuantization(f"{module}: scale {float(wide.abs().max()):.6g} exceeds the fp16 "
-                                          f"range (max {_FP16_MAX}); torch_marlin stores fp16 scales")
+                                          f"range (max {formats.FP16_MAX}); torch_marlin stores fp16 scales")
         half = scales.to(torch.float16)
         back = half.to(torch.float64)
         if not torch.equal(back, wide):
@@ -131,13 +159,6 @@ def expand_groups(t: torch.Tensor, source_group: int, target_group: int) -> torc
     if target_group == -1 or source_group == target_group:
         return t
     return t.repeat_interleave(source_group // target_group, dim=0)
-
-
-def unpack_int32_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int32 [R, C] -> [R*8, C]: nibble j of word [r, c] is row 8r+j (GPTQ qweight layout)."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64).view(1, 8, 1)
-    nibbles = (packed.to(torch.int64).unsqueeze(1) >> shifts) & 0xF
-    return nibbles.reshape(packed.shape[0] * 8, packed.shape[1]).to(torch.uint8)
 
 
 def unpack_int32_cols(packed: torch.Tensor, order=tuple(range(8))) -> torch.Tensor:

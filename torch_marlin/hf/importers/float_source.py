@@ -5,11 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-import torch
-
+from ...linear import linear_weight
+from ...model import matches_any
 from ...quantize import quantize_weight
-from ..layout import ModelLayout, float_linear_modules, matches_any
-from ..safetensors_io import CheckpointError
+from ..layout import ModelLayout, float_linear_modules
+from ..errors import CheckpointError
 from .base import ConvertedLayer, Importer, LayerPlan
 
 
@@ -50,12 +50,15 @@ class FloatSource(Importer):
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         weight = self.source.load(plan.keys[0])
         model_name = self.layout.resolve(module, self.layout.linears)
-        if self.layout.linears[model_name].kind == "conv1d":
-            weight = weight.t()  # Conv1D stores [in, out]; nn.Linear convention is [out, in]
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
-        q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
-        return ConvertedLayer(q, relative_error=q.relative_error)
+        weight = linear_weight(weight, self.layout.linears[model_name].kind == "conv1d")
+        try:  # the quantizer finds NaN and Inf while it reads the weight
+            q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+        except ValueError as e:
+            raise CheckpointError(f"{plan.keys[0]}: {e}") from e
+        return ConvertedLayer(q)
+
+    def layers_in_float(self, linears, converted):
+        return sorted(self.skipped)
 
     def description(self) -> dict:
         return {"method": "float", "quantizer": self.quantizer}

@@ -1,9 +1,12 @@
-"""FP4 (E2M1) checkpoints: MXFP4 (gpt-oss) and NVFP4 (modelopt, compressed-tensors).
+"""FP4 (E2M1) checkpoints: MXFP4 (gpt-oss, compressed-tensors) and NVFP4 (modelopt, compressed-tensors).
 
-All three store E2M1 codes two per byte, low nibble first, along K of the
+All store E2M1 codes two per byte, low nibble first, along K of the
 nn.Linear weight [N, K]; the E2M1 code table equals torch_marlin's fp4.
-- MXFP4: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
+- MXFP4 gpt-oss: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
   holding E8M0 exponents, scale = 2^(e - 127).
+- MXFP4 compressed-tensors (`mxfp4-pack-quantized`): `weight_packed` uint8
+  [N, K/2] and `weight_scale` uint8 [N, K/32], the same E8M0 exponents; no
+  global scale. Byte for byte the gpt-oss layout with the blocks flattened.
 - NVFP4 modelopt: `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn
   [N, K/16], `weight_scale_2` fp32 scalar; scale = weight_scale * weight_scale_2.
 - NVFP4 compressed-tensors: `weight_packed` uint8 [N, K/2], `weight_scale`
@@ -21,8 +24,8 @@ from typing import Dict
 import torch
 
 from ...quantize import QuantizedWeight
-from ..safetensors_io import CheckpointError
-from .base import ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, unpack_uint8_pairs
+from ..errors import CheckpointError, UnsupportedQuantization
+from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
 
 E8M0_NAN = 255
 
@@ -38,8 +41,19 @@ def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) 
 
 @dataclass
 class MXFP4Source(Importer):
+    """gpt-oss layout (`flavor="gpt-oss"`) or compressed-tensors (`flavor="compressed-tensors"`,
+    planned by CompressedTensorsSource, which hands each MXFP4 layer to `convert`)."""
+
+    QUANT_METHODS = ("mxfp4",)
+    LABEL = "MXFP4"
+
     config: dict = field(default_factory=dict)
+    flavor: str = "gpt-oss"
     method: str = "mxfp4"
+
+    def __post_init__(self):
+        if self.flavor not in ("gpt-oss", "compressed-tensors"):
+            raise ValueError(f"flavor must be 'gpt-oss' or 'compressed-tensors', got {self.flavor!r}")
 
     def plan(self) -> Dict[str, LayerPlan]:
         for key in self.source.keys():
@@ -57,21 +71,31 @@ class MXFP4Source(Importer):
         return self.plan_layers(".weight_blocks", "MXFP4", tensors)
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
-        blocks = self.require(plan.keys[0], torch.uint8)
-        n, nblocks, width = blocks.shape
-        if width != 16:
-            raise CheckpointError(f"{plan.keys[0]}: last dimension must be 16 bytes (32 values), got {width}")
-        exponents = self.require(plan.keys[1], torch.uint8, (n, nblocks)).to(torch.int32)
+        """plan.keys: the E2M1 bytes, then the E8M0 exponents."""
+        packed = self.require(plan.keys[0], torch.uint8)
+        if self.flavor == "gpt-oss":
+            if packed.dim() != 3 or packed.shape[2] != 16:
+                raise CheckpointError(f"{plan.keys[0]}: expected [N, K/32, 16] (16 bytes = 32 values per block), "
+                                      f"got {list(packed.shape)}")
+            packed = packed.reshape(packed.shape[0], -1)
+        elif packed.dim() != 2 or packed.shape[1] % 16:
+            raise CheckpointError(f"{plan.keys[0]}: expected [N, K/2] with K a multiple of 32, "
+                                  f"got {list(packed.shape)}")
+        n, groups = packed.shape[0], packed.shape[1] // 16
+        exponents = self.require(plan.keys[1], torch.uint8, (n, groups)).to(torch.int32)
         if (exponents == E8M0_NAN).any():
             raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
-        codes = unpack_uint8_pairs(blocks).reshape(n, nblocks * 32)
         scales = torch.pow(2.0, (exponents - 127).to(torch.float64))
-        return ConvertedLayer(fp4_layer(codes, self.to_fp16_scales(scales, module), 32))
+        return ConvertedLayer(fp4_layer(unpack_uint8_pairs(packed), self.to_fp16_scales(scales, module), 32))
 
 
 @dataclass
 class NVFP4Source(Importer):
     """modelopt layout (`flavor="modelopt"`) or compressed-tensors (`flavor="compressed-tensors"`)."""
+
+    QUANT_METHODS = ("modelopt",)
+    SIDE_FILES = ("hf_quant_config.json",)  # modelopt's
+    LABEL = "modelopt (NVFP4)"
 
     config: dict = field(default_factory=dict)
     flavor: str = "modelopt"
@@ -88,7 +112,17 @@ class NVFP4Source(Importer):
         group = int(self.config.get("group_size", 16) or 16)
         if group != 16:
             raise UnsupportedQuantization(f"NVFP4 group_size={group} is not supported (expected 16)")
-        self.dropped = []
+
+    @classmethod
+    def from_config(cls, source, method, config):
+        algo = str(config.get("quant_algo", "")).upper()
+        if algo != "NVFP4":
+            raise UnsupportedQuantization(f"modelopt quant_algo={algo!r} is not supported (only NVFP4)")
+        return cls(source, config=config, flavor="modelopt")
+
+    @classmethod
+    def config_from_side_file(cls, name, data):
+        return dict(data.get("quantization", data))
 
     def plan(self) -> Dict[str, LayerPlan]:
         # Activation scales only matter for FP4 activations; torch_marlin is weight-only.

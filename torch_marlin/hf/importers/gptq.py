@@ -15,12 +15,17 @@ from typing import Dict
 
 import torch
 
-from .base import (ConvertedLayer, Importer, LayerPlan, UnsupportedQuantization, act_order_permutation,
-                   codes_to_layer, unpack_int32_cols, unpack_int32_rows)
+from ...formats import unpack_codes
+from ..errors import UnsupportedQuantization
+from .base import ConvertedLayer, Importer, LayerPlan, act_order_permutation, codes_to_layer, unpack_int32_cols
 
 
 @dataclass
 class GPTQSource(Importer):
+    QUANT_METHODS = ("gptq",)
+    SIDE_FILES = ("quantize_config.json",)  # AutoGPTQ's, when config.json has no quantization_config
+    LABEL = "GPTQ"
+
     config: dict = field(default_factory=dict)
     method: str = "gptq"
 
@@ -45,7 +50,7 @@ class GPTQSource(Importer):
         groups = -(-k // group)
         qzeros = self.require(f"{module}.qzeros", torch.int32, (groups, -(-n // 8)))
         scales = self.require(f"{module}.scales", (torch.float16, torch.bfloat16, torch.float32), (groups, n))
-        codes = unpack_int32_rows(qweight)
+        codes = unpack_codes(qweight)
         zeros = unpack_int32_cols(qzeros)[:, :n].to(torch.float32) + self.zero_offset
         perm = None
         if f"{module}.g_idx" in self.source:

@@ -1,0 +1,193 @@
+// Metal dispatch of the dense layout (gemm, dequantize): which of
+// metal/{gemv,gemm_fused,gemm_tiled,reduce,dequant}.metal to launch, how. Argument
+// checks are the CPU op's (core/checks.h), so every backend fails alike.
+#include <torch/library.h>
+
+#include <algorithm>
+#include <sstream>
+
+#include "core/checks.h"
+#include "core/metal_plan.h"
+
+namespace marlin {
+namespace metal {
+namespace {
+
+// K split (stripe-partitioned, summed by marlin_reduce) when the output tiles
+// alone would leave most of a large GPU idle.
+constexpr int64_t kSplitTargetThreadgroups = 128;  // GEMMs: K-split when fewer output tiles
+constexpr int64_t kSplitMinK = 512;                // GEMMs: at least this much K per slice
+constexpr int64_t kSplitMax = 16;
+// GEMV: split when N / kGemvColumns is below 2 x 64 threadgroups (about twice
+// the GPU cores of an M1 Ultra; M2/M3 Ultra have 76/80), each slice at least one
+// block per planned simdgroup. N = 4096 is not split: the dependent reduce
+// dispatch would cost more than the imbalance it removes (to be tuned on
+// hardware with benchmarks/bench_mps.py).
+constexpr int64_t kGemvMinThreadgroups = 128;
+constexpr int64_t kGemvMinSplitRows = int64_t(kGemvSimdgroups) * kGemvBlockRows;
+
+// Argument numbers in the schemas (csrc/registration.cpp).
+enum GemmArg { kGemmX = 0, kGemmPacked, kGemmScales, kGemmZeros, kGemmBias };
+enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };
+
+Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
+Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
+Binding workspace(int index) { return {index, Source::kWorkspace, 0, 0}; }
+Binding scalar(int index, int64_t value, const char* what) { return {index, Source::kScalar, 0, u32(value, what)}; }
+
+// Fused dequant-in-registers GEMM (metal/marlin_gemm_fused.h): M-tile rows.
+int64_t fused_tile_m(int64_t m) { return m <= 32 ? 32 : 64; }
+
+// Number of K slices (of whole `unit_rows` packed rows, at least `min_rows`
+// each, at most kSplitMax) so that `tiles` output tiles make about `target`
+// threadgroups. Returns {splits, packed rows per slice}.
+std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
+                                     int64_t unit_rows) {
+  int64_t splits = 1;
+  if (tiles < target) splits = std::max<int64_t>(1, std::min({ceil_div(target, tiles), kr / min_rows, kSplitMax}));
+  const int64_t rows = ceil_div(ceil_div(kr, splits), unit_rows) * unit_rows;
+  return {ceil_div(kr, rows), rows};
+}
+
+// marlin_group_rows: packed rows per group, 0 for one group over all of K.
+uint32_t group_rows_constant(int64_t group_size) {
+  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
+}
+
+bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
+
+// marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
+// be read as 16-byte vectors. Metal requires a bound buffer's offset to be
+// aligned to what the kernel reads; PyTorch tensors may start anywhere.
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n) {
+  return n % 4 == 0 && aligned16(x) && aligned16(packed) && aligned16(scales) &&
+         (!zeros.has_value() || aligned16(*zeros));
+}
+
+std::string details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
+                    WeightFormat format, int64_t partial_floats) {
+  std::ostringstream o;
+  o << "\"M\":" << m << ",\"N\":" << n << ",\"K\":" << k << ",\"group_rows\":" << group_rows
+    << ",\"splits\":" << splits << ",\"dtype\":\"" << dtype_name(dtype) << "\",\"format\":\""
+    << weight_format_name(format) << "\",\"partial_floats\":" << partial_floats;
+  return o.str();
+}
+
+Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+               const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
+               c10::string_view weight_format, int64_t group_size) {
+  const QuantizedShape s = check_quantized(packed, scales, zeros, std::string(weight_format), group_size);
+  check_gemm_inputs(x, bias, packed, s);
+  const int64_t m = x.numel() / s.k, n = s.n, k = s.k, kr = s.k / kPackFactor;
+  const at::ScalarType dtype = x.scalar_type();
+  const bool has_bias = bias.has_value();
+  Plan p;
+  p.op = "gemm";
+  p.outputs = {{"out", {m, n}, dtype}};
+  p.result_shape = x.sizes().vec();
+  p.result_shape.back() = n;
+  p.details = details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
+  if (m == 0) return p;  // empty output, nothing to launch
+  // Kernels index with 32-bit sizes and 64-bit offsets: any M, N, K < 2^32.
+  u32(m, "M");
+  const std::string suffix = std::string(weight_format_name(s.format)) + "_" + dtype_name(dtype);
+
+  // M <= kGemvMaxRows: the decode GEMV (32 columns per threadgroup, all rows of
+  // x at once). M <= kFusedMaxRows: fused dequant-in-registers GEMM (TM x 64
+  // tiles); larger M: the tiled GEMM (64 x 64 tiles, B dequantized once per
+  // stage into threadgroup memory and shared by all four simdgroups).
+  const bool gemv = m <= kGemvMaxRows, tiled = m > kFusedMaxRows;
+  const int64_t tm = gemv ? m : tiled ? kTiledTileM : fused_tile_m(m);
+  const int64_t tile_n = gemv ? kGemvColumns : kGemmTileN;
+  const int64_t tiles = ceil_div(n, tile_n) * ceil_div(m, tm);
+  const auto [splits, split_rows] =
+      gemv ? k_slices(tiles, kr, kGemvMinThreadgroups, kGemvMinSplitRows, kGemvBlockRows)
+           : k_slices(tiles, kr, kSplitTargetThreadgroups, kSplitMinK / kPackFactor, kGemmTileK / kPackFactor);
+
+  Launch l;
+  if (gemv) {
+    l.source = "gemv";
+    l.kernel = "marlin_gemv_" + suffix;
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    // The GEMV splits its K slice over however many simdgroups it gets (down to one).
+    l.min_threads_x = kSimdWidth;
+    l.grid = {ceil_div(n, kGemvColumns), splits, 1};
+    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(m));
+  } else if (tiled) {
+    l.source = "gemm_tiled";
+    l.kernel = "marlin_gemm_tiled_" + suffix;
+    l.threadgroup = {kGemmThreads, 1, 1};
+    l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+    l.threadgroup_memory = tiled_threadgroup_memory(static_cast<int>(dtype_size(dtype)));
+  } else {
+    l.source = "gemm_fused";
+    l.kernel = "marlin_gemm_fused_" + suffix + "_tm" + std::to_string(tm);
+    l.threadgroup = {kGemmThreads, 1, 1};
+    l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+    l.threadgroup_memory = fused_threadgroup_memory(static_cast<int>(tm), static_cast<int>(dtype_size(dtype)));
+  }
+  l.set(kFcHasBias, has_bias && splits == 1);
+  l.set(kFcWritePartial, splits > 1);
+  l.set(kFcAligned, vector_loads(x, packed, scales, zeros, n));
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  if (gemv) l.set(kFcRows, static_cast<uint32_t>(m));
+  l.bindings = {arg(0, kGemmX),     arg(1, kGemmPacked), arg(2, kGemmScales), arg(3, kGemmZeros),
+                arg(4, kGemmBias),  output(5),           workspace(6),        scalar(7, m, "M"),
+                scalar(8, n, "N"),  scalar(9, k, "K"),   scalar(10, split_rows, "split rows")};
+  check_launch(l);
+  p.launches.push_back(std::move(l));
+
+  // K split: fp32 partial tiles [splits, M, N], summed by marlin_reduce (the
+  // workspace is still bound, but never written, without a split).
+  const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
+  p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
+  p.details = details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
+  if (splits > 1) {
+    u32(partial_floats, "workspace size");
+    Launch r;
+    r.source = "reduce";
+    r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
+    r.set(kFcHasBias, has_bias);
+    r.threadgroup = {kReduceOutputs, 1, 1};
+    r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
+    r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
+    r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
+                  scalar(5, splits, "splits")};
+    check_launch(r);
+    p.launches.push_back(std::move(r));
+  }
+  return p;
+}
+
+Plan plan_dequantize(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                     c10::string_view weight_format, int64_t group_size, c10::optional<at::ScalarType> dtype) {
+  const QuantizedShape s = check_quantized(packed, scales, zeros, std::string(weight_format), group_size);
+  const at::ScalarType out = dtype.value_or(at::kHalf);
+  TORCH_CHECK(out == at::kHalf || out == at::kBFloat16 || out == at::kFloat,
+              "dtype must be float16, bfloat16 or float32, got ", out);
+  Plan p;
+  p.op = "dequantize";
+  p.outputs = {{"out", {s.k, s.n}, out}};
+  p.result_shape = {s.k, s.n};
+  p.details = details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
+  Launch l;
+  l.source = "dequant";
+  l.kernel = std::string("marlin_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);
+  l.threadgroup = {kDequantColumns, kDequantRows, 1};
+  l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(s.k / kPackFactor, kDequantRows), 1};
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  l.bindings = {arg(0, kDequantPacked), arg(1, kDequantScales), arg(2, kDequantZeros), output(3),
+                scalar(4, s.n, "N"), scalar(5, s.k / kPackFactor, "K/8")};
+  check_launch(l);
+  p.launches.push_back(std::move(l));
+  return p;
+}
+
+}  // namespace
+
+MARLIN_REGISTER_METAL_OP(gemm, plan_gemm)
+MARLIN_REGISTER_METAL_OP(dequantize, plan_dequantize)
+
+}  // namespace metal
+}  // namespace marlin

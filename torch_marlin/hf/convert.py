@@ -1,0 +1,295 @@
+"""Convert a Hugging Face model directory into a torch_marlin checkpoint.
+
+Float sources are quantized layer by layer; GPTQ, AWQ, compressed-tensors,
+MXFP4 and NVFP4 sources are repacked without re-quantization. Tensors are
+read, converted and written one at a time (peak memory ~ one tensor), into
+a temporary directory next to DST that is renamed at the end, so a failed
+or interrupted run leaves no DST behind.
+
+    torch-marlin convert SRC DST --format fp4 --group-size 128
+    python -m torch_marlin.convert SRC DST ...          (the same)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from .. import formats
+from ..quantize import quantizer_names
+from .checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
+from .config import build_quantization_config
+from .errors import CheckpointError
+from .hub import resolve_source
+from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
+from .layout import describe_model
+from .modules import layout_state
+from .safetensors_io import ShardedWriter
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+
+
+@dataclass
+class ConversionSummary:
+    source_method: str
+    layers_converted: int = 0
+    layers_in_float: List[str] = field(default_factory=list)
+    bytes_before: int = 0  # all source tensors
+    bytes_after: int = 0  # all written tensors
+    quantized_params: int = 0  # weights (N*K) of converted layers
+    quantized_bytes: int = 0  # packed + scales (+ zeros) of converted layers
+    mean_relative_error: Optional[float] = None  # float sources only
+    formats: Dict[str, int] = field(default_factory=dict)  # "fp4/g128" -> layer count
+    notes: List[str] = field(default_factory=list)  # inexact values, dropped tensors
+    seconds: float = 0.0
+    output: str = ""
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.quantized_bytes / self.quantized_params if self.quantized_params else float("nan")
+
+    def __str__(self) -> str:
+        mib = 2.0 ** -20
+        lines = [
+            f"converted {self.layers_converted} linear layers from {self.source_method} "
+            f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))}); "
+            f"{len(self.layers_in_float)} left in float",
+            f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
+            f"{self.bits_per_weight:.3f} bits per quantized weight",
+        ]
+        if self.mean_relative_error is not None:
+            lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
+        if self.notes:
+            lines.append(f"{len(self.notes)} warnings (values not exactly representable or dropped):")
+            lines += [f"  - {note}" for note in self.notes[:20]]
+            if len(self.notes) > 20:
+                lines.append(f"  ... and {len(self.notes) - 20} more")
+        lines.append(f"wrote {self.output} in {self.seconds:.1f} s")
+        return "\n".join(lines)
+
+
+def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 128,
+            exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
+            overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
+            max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
+            revision: Optional[str] = None) -> ConversionSummary:
+    """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
+
+    `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
+    resolved with huggingface_hub: downloaded when online, taken from the
+    Hub cache with HF_HUB_OFFLINE=1 (torch_marlin/hf/hub.py).
+    weight_format/group_size/quantizer/exclude/quantize_lm_head apply to float
+    sources; quantized sources keep their own format. `dtype` ("float16",
+    "bfloat16", "float32" or None to keep) casts the tensors left in float.
+    """
+    formats.check_weight_format(weight_format)
+    formats.check_group_size(group_size)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
+    if quantizer not in quantizer_names():
+        raise ValueError(f"quantizer must be one of {quantizer_names()}, got {quantizer!r}")
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            raise ValueError(f"{name} must be a directory path{' or a Hub repo id' if name == 'src' else ''}, "
+                             f"got {value!r}")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst) and not overwrite:  # before anything is downloaded
+        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    start = time.time()
+    src = os.path.abspath(resolve_source(os.fspath(src), revision, allow_pickle, progress))
+    if dst == src or dst.startswith(src + os.sep):
+        raise ValueError(f"dst must not be src or inside it: {dst}")
+    source = SourceCheckpoint(src, allow_pickle=allow_pickle)
+    method, source_config = source_quantization(source)
+    shapes = {key: source.shape(key) for key in source.keys()}
+    layout = describe_model(src, shapes)
+    if method is None:
+        importer: Importer = FloatSource(source, layout=layout, weight_format=weight_format,
+                                         group_size=group_size, quantizer=quantizer, exclude=list(exclude),
+                                         quantize_lm_head=quantize_lm_head)
+    else:
+        importer = make_importer(source, method, source_config)
+    if not layout.exact:
+        importer.note("linear layers were found by name (the model class could not be built); check the list")
+
+    parent = os.path.dirname(dst)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would carry over to DST
+    writer = ShardedWriter(tmp, max_shard_bytes)
+    try:
+        result, modules = _write_tensors(source, importer, layout, writer, DTYPES.get(dtype), progress)
+        writer.finish()
+        _copy_other_files(src, tmp)
+        config = dict(source.config)
+        config.pop("quantization_config", None)
+        config["quantization_config"] = build_quantization_config(importer, modules, result.layers_in_float)
+        if dtype is not None:
+            config["dtype"] = dtype
+            if "torch_dtype" in config:
+                config["torch_dtype"] = dtype
+        with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if os.path.exists(dst) and not overwrite:
+            raise FileExistsError(f"{dst} appeared during the conversion; not replacing it")
+        _replace_directory(tmp, dst)
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    result.bytes_before = source.total_bytes()
+    result.bytes_after = writer.total_bytes
+    result.notes = list(importer.notes)
+    result.seconds = time.time() - start
+    result.output = dst
+    return result
+
+
+def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer: ShardedWriter,
+                   dtype: Optional[torch.dtype], progress: bool):
+    """Stream every source tensor to the writer; returns (summary, {module: entry})."""
+    plans = importer.plan()
+    summary = ConversionSummary(importer.method)
+    modules: Dict[str, dict] = {}
+    owner = {key: module for module, plan in plans.items() for key in plan.keys}
+    biases = {plan.bias_key: module for module, plan in plans.items() if plan.bias_key}
+    errors = []
+    keys = source.keys()
+    bar = _progress_bar(len(keys), progress)
+    for key in keys:
+        bar.update(1)
+        if key in biases:
+            continue  # written together with its layer
+        module = owner.get(key)
+        if module is None:
+            tensor = source.load(key)
+            if dtype is not None and tensor.is_floating_point() and tensor.element_size() >= 2:
+                tensor = tensor.to(dtype)
+            writer.add(key, tensor)
+            continue
+        if module in modules:
+            continue
+        bar.set_postfix_str(module[-40:], refresh=False)
+        layer = importer.convert(module, plans[module])
+        _check_against_layout(module, layer, layout)
+        q = layer.qweight
+        modules[module] = {"weight_format": q.weight_format, "group_size": q.group_size,
+                           "in_features": q.in_features, "out_features": q.out_features}
+        if layer.input_perm is not None:
+            modules[module]["act_order"] = True
+        _write_layer(module, layer, modules[module], plans[module].bias_key, source, writer, dtype)
+        summary.layers_converted += 1
+        summary.quantized_params += q.in_features * q.out_features
+        summary.quantized_bytes += q.nbytes
+        tag = f"{q.weight_format}/g{q.group_size}"
+        summary.formats[tag] = summary.formats.get(tag, 0) + 1
+        if isinstance(importer, FloatSource):
+            errors.append(q.relative_error)
+    bar.close()
+    missing = sorted(set(plans) - set(modules))
+    if missing:
+        raise CheckpointError(f"layers without their tensors: {missing[:5]}")
+    converted = [layout.resolve(m, layout.linears) or m for m in modules]
+    summary.layers_in_float = importer.layers_in_float(list(layout.linears), converted)
+    if errors:
+        summary.mean_relative_error = sum(errors) / len(errors)
+    return summary, modules
+
+
+def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
+    if not layout.exact:
+        return
+    name = layout.resolve(module, layout.linears)
+    if name is None:
+        raise CheckpointError(f"{module}: quantized tensors for a module that is not a linear layer of "
+                              f"{layout.architecture or 'the model'}")
+    spec, q = layout.linears[name], layer.qweight
+    if (spec.in_features, spec.out_features) != (q.in_features, q.out_features):
+        raise CheckpointError(f"{module}: tensors give in/out features {q.in_features}x{q.out_features} "
+                              f"but the config describes {spec.in_features}x{spec.out_features}")
+
+
+def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Optional[str],
+                 source: SourceCheckpoint, writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
+    """The layer's tensors under MarlinLinear.state_dict() names (docs/FORMAT.md)."""
+    q = layer.qweight
+    writer.add(f"{module}._extra_state", layout_state(entry))
+    writer.add(f"{module}.packed", q.packed)
+    writer.add(f"{module}.scales", q.scales)
+    if q.zeros is not None:
+        writer.add(f"{module}.zeros", q.zeros)
+    if layer.input_perm is not None:
+        writer.add(f"{module}.input_perm", layer.input_perm)
+    if bias_key is not None:
+        bias = source.load(bias_key)
+        if tuple(bias.shape) != (q.out_features,):
+            raise CheckpointError(f"{bias_key} has shape {list(bias.shape)}, expected [{q.out_features}]")
+        writer.add(f"{module}.bias", bias.to(dtype) if dtype is not None else bias)
+
+
+def _copy_other_files(src: str, dst: str) -> None:
+    """Tokenizer, generation config, sentence-transformers modules...: everything but weights."""
+    skip = {"config.json", SAFETENSORS_INDEX, PICKLE_INDEX, *source_side_files()}
+    for entry in os.listdir(src):
+        path = os.path.join(src, entry)
+        if entry in skip or entry.endswith(_WEIGHT_SUFFIXES) or entry.startswith(".tmp"):
+            continue
+        if os.path.isdir(path):
+            shutil.copytree(path, os.path.join(dst, entry))
+        else:
+            shutil.copy2(path, os.path.join(dst, entry))
+
+
+def _replace_directory(tmp: str, dst: str) -> None:
+    if not os.path.exists(dst):
+        os.rename(tmp, dst)
+        return
+    old = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.old-", dir=os.path.dirname(dst))
+    os.rmdir(old)
+    os.rename(dst, old)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        os.rename(old, dst)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class _NoBar:
+    def update(self, n):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="tensor", desc="converting", dynamic_ncols=True)
+

@@ -1,0 +1,8 @@
+"""Weight layouts (docs/ARCHITECTURE.md): how a quantized weight's codes and
+metadata are arranged in tensors. One module per layout; each registers
+itself with base.register_layout."""
+
+from .base import QuantizedLayout, layout_by_code, register_layout
+from .dense import QuantizedWeight
+
+__all__ = ["QuantizedLayout", "QuantizedWeight", "layout_by_code", "register_layout"]

@@ -1,0 +1,122 @@
+"""What every weight layout provides (docs/ARCHITECTURE.md, "the layout seam").
+
+A quantized weight is a layout (how codes and their metadata are arranged in
+tensors: dense 2-D `[K/8, N]` today) times a value format (what a 4-bit code
+means: torch_marlin/formats.py). A layout is a class deriving from
+QuantizedLayout, in its own file under torch_marlin/layouts/, that knows its
+tensors, how to dequantize them (the plain-torch reference), how they are
+multiplied (its torch.ops.marlin.* ops, whose fake kernels and autograd live
+in the same file) and how its state_dict is guarded against loading another
+layout. MarlinLinear builds its buffers and its forward from the layout class
+it is given, so a new layout adds files instead of editing the module.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Dict, List, Optional, Tuple, Type
+
+import torch
+
+from .. import formats
+
+# LAYOUT_CODE -> class, filled by register_layout.
+_LAYOUTS: Dict[int, Type["QuantizedLayout"]] = {}
+
+
+def register_layout(cls: Type["QuantizedLayout"]) -> Type["QuantizedLayout"]:
+    """Class decorator: makes a layout known to MarlinLinear's state_dict guard."""
+    if cls.LAYOUT_CODE in _LAYOUTS:
+        raise ValueError(f"layout code {cls.LAYOUT_CODE} is taken by {_LAYOUTS[cls.LAYOUT_CODE].__name__}")
+    _LAYOUTS[cls.LAYOUT_CODE] = cls
+    return cls
+
+
+def layout_by_code(code: int) -> Optional[Type["QuantizedLayout"]]:
+    return _LAYOUTS.get(code)
+
+
+def known_layout_codes() -> List[int]:
+    return sorted(_LAYOUTS)
+
+
+class QuantizedLayout:
+    """Base of the layout classes. A subclass defines the class attributes and
+    the abstract methods below; the generic methods here use them."""
+
+    LAYOUT: ClassVar[str]  # name, e.g. "dense"
+    # First integer of the state_dict descriptor (MarlinLinear's _extra_state):
+    # identifies the layout and its version. Persisted: never reuse a code.
+    LAYOUT_CODE: ClassVar[int]
+    TENSORS: ClassVar[Tuple[str, ...]]  # tensor attributes, in state_dict order (None when absent)
+    FP16_TENSORS: ClassVar[Tuple[str, ...]] = ("scales", "zeros")  # stay fp16 under .half()/.to(dtype)
+
+    weight_format: str
+    group_size: int
+    in_features: int  # K the caller sees (the layout may pad it)
+    out_features: int
+
+    # --- abstract -----------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, weight_format: str, group_size: int,
+              device=None) -> "QuantizedLayout":
+        """A zero-filled weight of this shape (what MarlinLinear registers as buffers)."""
+        raise NotImplementedError
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out_features, in_features], computed from the reference formulas in float64."""
+        raise NotImplementedError
+
+    def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [out_features, in_features] through the layout's dequantize op (fp32 inside,
+        on the weight's device): what the fast paths compute."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x [..., in_features] @ W^T (+ bias) through the layout's op, in x's dtype."""
+        raise NotImplementedError
+
+    def descriptor_extra(self) -> List[int]:
+        """Layout-specific integers appended to the state_dict descriptor."""
+        return []
+
+    # --- generic ------------------------------------------------------------------
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        """The layout's tensors by name (absent optional ones left out)."""
+        return {name: getattr(self, name) for name in self.TENSORS if getattr(self, name) is not None}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def to(self, device) -> "QuantizedLayout":
+        """The same weight with its tensors on `device` (fp16 metadata stays fp16)."""
+        moved = {name: t.to(device) for name, t in self.tensors().items()}
+        return self.replace(**moved)
+
+    def replace(self, **tensors) -> "QuantizedLayout":
+        import dataclasses
+
+        return dataclasses.replace(self, **tensors)
+
+    def descriptor(self) -> List[int]:
+        """What a state_dict records of the layout: [LAYOUT_CODE, format number,
+        group_size, in_features, *descriptor_extra()] (docs/FORMAT.md)."""
+        return [self.LAYOUT_CODE, formats.WEIGHT_FORMATS.index(self.weight_format), self.group_size,
+                self.in_features, *self.descriptor_extra()]
+
+    @classmethod
+    def describe_descriptor(cls, descriptor: List[int]) -> str:
+        """Constructor arguments a descriptor stands for, for error messages."""
+        code, fmt, group_size, in_features = descriptor[:4]
+        layout = layout_by_code(code)
+        name = formats.WEIGHT_FORMATS[fmt] if 0 <= fmt < len(formats.WEIGHT_FORMATS) else f"#{fmt}"
+        text = f"weight_format={name!r}, group_size={group_size}, in_features={in_features}"
+        if layout is None:
+            return f"unknown layout {code}, " + text
+        return layout.describe_extra(text, descriptor[4:])
+
+    @classmethod
+    def describe_extra(cls, text: str, extra: List[int]) -> str:
+        return text

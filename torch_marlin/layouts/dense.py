@@ -1,0 +1,127 @@
+"""The dense layout: `packed` int32 [K/8, N] plus per-group `scales` (and `zeros`).
+
+Everything of the layout on the Python side: the QuantizedWeight class
+(packing from codes, the float64 reference dequantization, its op call), and
+the fake kernels and autograd of its ops `torch.ops.marlin.gemm` /
+`dequantize` (schemas in csrc/registration.cpp, CPU kernels in csrc/cpu/,
+Metal planner in csrc/core/metal_plan_dense.cpp). docs/FORMAT.md is the spec.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from .. import formats
+from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from .base import QuantizedLayout, register_layout
+
+
+@register_layout
+@dataclass
+class QuantizedWeight(QuantizedLayout):
+    """A packed weight and what is needed to interpret it (docs/FORMAT.md)."""
+
+    LAYOUT = "dense"
+    LAYOUT_CODE = 1  # the state_dict descriptor's first integer (it was "layout version 1")
+    TENSORS = ("packed", "scales", "zeros")
+
+    packed: torch.Tensor  # int32 [K/8, N], K padded
+    scales: torch.Tensor  # fp16 [G, N]
+    zeros: Optional[torch.Tensor]  # fp16 [G, N] for formats with zeros (uint4), else None
+    weight_format: str
+    group_size: int
+    in_features: int  # unpadded K
+    out_features: int  # N
+    relative_error: float = float("nan")  # ||W - Wq|| / ||W|| when quantized from floats
+
+    @property
+    def padded_in_features(self) -> int:
+        return self.packed.shape[0] * formats.PACK_FACTOR
+
+    @classmethod
+    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
+                   in_features=None, out_features=None) -> "QuantizedWeight":
+        """Pack codes [K, N] (0..15) with their scales/zeros [G, N]; validates everything."""
+        packed = formats.pack_codes(codes)
+        k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
+        in_features = k if in_features is None else int(in_features)
+        out_features = n if out_features is None else int(out_features)
+        if not (0 < in_features <= k and k - in_features < formats.padded_in_features(1, group_size)):
+            raise ValueError(f"in_features={in_features} does not fit packed K={k}")
+        if out_features != n:
+            raise ValueError(f"out_features={out_features} must equal N={n}")
+        return cls(packed, scales.contiguous(), None if zeros is None else zeros.contiguous(),
+                   weight_format, group_size, in_features, out_features)
+
+    @classmethod
+    def empty(cls, in_features, out_features, weight_format, group_size, device=None) -> "QuantizedWeight":
+        k = formats.padded_in_features(in_features, group_size)
+        groups = formats.num_groups(k, group_size)
+        packed = torch.zeros(k // formats.PACK_FACTOR, out_features, dtype=torch.int32, device=device)
+        scales = torch.zeros(groups, out_features, dtype=torch.float16, device=device)
+        zeros = torch.zeros_like(scales) if formats.has_zeros(weight_format) else None
+        return cls(packed, scales, zeros, weight_format, group_size, in_features, out_features)
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        """The weight W as [N, in_features] (reference path, float64 inside)."""
+        b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
+                                         self.weight_format, self.group_size, dtype)
+        return b[: self.in_features].t()
+
+    def weight(self, dtype=torch.float32) -> torch.Tensor:
+        b = torch.ops.marlin.dequantize(self.packed, self.scales, self.zeros, self.weight_format,
+                                        self.group_size, torch.float32)
+        return b[: self.in_features].t().to(dtype)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        pad = self.padded_in_features - self.in_features
+        if pad:
+            x = F.pad(x, (0, pad))
+        return torch.ops.marlin.gemm(x, self.packed, self.scales, self.zeros, bias, self.weight_format,
+                                     self.group_size)
+
+
+# --- fake kernels and autograd of the dense ops -------------------------------------
+
+@torch.library.register_fake("marlin::gemm")
+def _gemm_fake(x, packed, scales, zeros, bias, weight_format, group_size):
+    k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
+    torch._check(x.dtype in formats.ACTIVATION_DTYPES, lambda: f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    torch._check(x.device == packed.device,
+                 lambda: f"x must be on the same device as packed ({packed.device}), got {x.device}")
+    torch._check(x.dim() >= 1 and x.shape[-1] == k, lambda: f"x.size(-1) must equal K = {k}, got {list(x.shape)}")
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias must have shape [{n}], got {list(bias.shape)}")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.register_fake("marlin::dequantize")
+def _dequantize_fake(packed, scales, zeros, weight_format, group_size, dtype=None):
+    k, n, _ = formats.check_quantized(packed, scales, zeros, weight_format, group_size)
+    return packed.new_empty((k, n), dtype=dtype or torch.float16)
+
+
+def _gemm_setup_context(ctx, inputs, output):
+    x, packed, scales, zeros, bias, weight_format, group_size = inputs
+    ctx.save_for_backward(packed, scales, zeros)
+    ctx.weight_format, ctx.group_size, ctx.x_dtype = weight_format, group_size, x.dtype
+    ctx.has_bias = bias is not None
+
+
+def _gemm_backward(ctx, grad):
+    packed, scales, zeros = ctx.saved_tensors
+    grad_x = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # dy @ B^T with B = W^T dequantized in the activation dtype.
+        b = torch.ops.marlin.dequantize(packed, scales, zeros, ctx.weight_format, ctx.group_size, ctx.x_dtype)
+        grad_x = grad @ b.t()
+    if ctx.has_bias and ctx.needs_input_grad[4]:
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad_x, None, None, None, grad_bias, None, None
+
+
+torch.library.register_autograd("marlin::gemm", _gemm_backward, setup_context=_gemm_setup_context)
