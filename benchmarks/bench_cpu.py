@@ -1,17 +1,23 @@
 """CPU benchmark of torch.ops.marlin.gemm (a benchmark, not a test).
 
 Compares against dense fp32 and bf16 torch.matmul and torch's own int4 CPU
-kernel (aten._weight_int4pack_mm_for_cpu), on LLaMA-7B-like layer shapes,
-and measures a large-copy memory bandwidth in the same run. Prints a table
-and writes JSON.
+kernel (aten._weight_int4pack_mm_for_cpu) on the same codes, on LLaMA-7B-like
+layer shapes, bf16 activations, group size 128. Every candidate is timed in
+the same process, interleaved round by round (so a noisy neighbour slows all
+of them alike); the figures are medians. Prints the CPU, its instruction-set
+flags and the kernel build that ran, a table, and writes JSON with the same.
 
-    python benchmarks/bench_cpu.py [--quick] [--json bench_cpu.json]
+    python benchmarks/bench_cpu.py [--quick] [--kernels avx2] [--threads 2] [--clock wall] [--json bench_cpu.json]
+
+--kernels forces a kernel build (= TORCH_MARLIN_CPU_KERNELS), e.g. to check
+the AVX2 build on an AVX-512 machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -24,26 +30,50 @@ from torch_marlin.formats import pack_codes
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 ROWS = [1, 8, 32, 128]
 GROUP_SIZE = 128
+# The /proc/cpuinfo flags that decide which kernels (ours, torch's, oneDNN's) run.
+ISA_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+             "avx512vbmi", "avx_vnni", "amx_bf16", "amx_int8", "asimd", "asimddp", "bf16", "i8mm", "sve", "sve2"]
 
 
-def median_seconds(fn, repeats: int, min_time: float = 0.2) -> float:
-    fn()  # warm-up
-    times = []
-    deadline = time.perf_counter() + min_time
-    while len(times) < repeats or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-        if len(times) >= 10 * repeats:
-            break
-    return statistics.median(times)
+def cpu_description() -> dict:
+    """CPU model and the relevant ISA flags (Linux /proc/cpuinfo; elsewhere what platform knows)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "Model", "CPU part") and model in (platform.processor(), platform.machine()):
+                    model = value.strip()
+                elif key in ("flags", "Features"):
+                    flags.update(value.split())
+    except OSError:
+        pass
+    return dict(model=model, machine=platform.machine(), isa_flags=[f for f in ISA_FLAGS if f in flags],
+                logical_cpus=os.cpu_count())
 
 
-def copy_bandwidth_gbs(nbytes: int = 1 << 28) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), 5)
-    return 2 * nbytes / seconds / 1e9  # read + write
+# wall: elapsed time. cpu: this process's CPU time, which leaves out the time
+# the process waits for a core; with --threads 1 on a machine shared with other
+# jobs it is the steadier measure (with more threads it also counts threads
+# spinning at barriers).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved_medians(fns: dict, repeats: int, min_time: float = 0.3, clock=time.perf_counter) -> dict:
+    """Median seconds of each function, timed round-robin (one call of each per round)."""
+    for fn in fns.values():
+        fn()  # warm-up
+    times = {name: [] for name in fns}
+    deadline = time.perf_counter() + min_time * len(fns)
+    rounds = 0
+    while rounds < repeats or (time.perf_counter() < deadline and rounds < 20 * repeats):
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+        rounds += 1
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def make_weights(n: int, k: int, fmt: str):
@@ -66,17 +96,33 @@ def torch_int4(codes: torch.Tensor, scales: torch.Tensor):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer repeats")
-    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--formats", default="fp4,int4,uint4")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--kernels", help="force a kernel build (TORCH_MARLIN_CPU_KERNELS)")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (1 gives steadier ratios on a machine shared with other jobs)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall time, or process CPU time (steadier with --threads 1 on a shared machine)")
     parser.add_argument("--json", default="bench_cpu.json")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.kernels:
+        os.environ["TORCH_MARLIN_CPU_KERNELS"] = args.kernels  # read at the first gemm call
     shapes = SHAPES[:1] if args.quick else SHAPES
-    repeats = 3 if args.quick else args.repeats
+    repeats = 5 if args.quick else args.repeats
+    rows = [int(r) for r in args.rows.split(",")]
 
-    bandwidth = copy_bandwidth_gbs()
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, copy bandwidth {bandwidth:.1f} GB/s")
-    header = f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'marlin ms':>9} {'GB/s':>6} | {'int4 ms':>8} {'bf16 ms':>8} {'fp32 ms':>8} | {'x int4':>6} {'x bf16':>6}"
+    cpu = cpu_description()
+    kernels = json.loads(torch.ops.marlin._cpu_kernels())
+    if kernels["selected"] is None:
+        raise SystemExit(kernels["error"])
+    print(f"# {cpu['model']} ({cpu['machine']}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# ISA flags: {' '.join(cpu['isa_flags']) or '-'}; torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; torch_marlin kernels: {kernels['selected']}")
+    print(f"# median ms ({args.clock} clock), candidates interleaved in one process; bf16 x, group size 128")
+    header = (f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'marlin ms':>9} | {'int4 ms':>8} {'bf16 ms':>8} "
+              f"{'fp32 ms':>8} | {'x int4':>6} {'x bf16':>6}")
     print(header)
     print("-" * len(header))
     results = []
@@ -86,24 +132,26 @@ def main() -> None:
         for fmt in args.formats.split(","):
             codes, packed, scales, zeros = make_weights(n, k, fmt)
             int4_packed, int4_sz = torch_int4(codes, scales)
-            weight_bytes = packed.numel() * 4 + scales.numel() * 2 * (2 if zeros is not None else 1)
-            for m in ROWS:
+            for m in rows:
                 x32 = torch.randn(m, k)
                 x16 = x32.to(torch.bfloat16)
-                t_marlin = median_seconds(lambda: torch.ops.marlin.gemm(x16, packed, scales, zeros, None, fmt, GROUP_SIZE), repeats)
-                t_int4 = median_seconds(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, int4_packed, GROUP_SIZE, int4_sz), repeats)
-                t_bf16 = median_seconds(lambda: x16 @ w16.t(), repeats)
-                t_fp32 = median_seconds(lambda: x32 @ w32.t(), repeats)
-                gbs = (weight_bytes + m * k * 2 + m * n * 2) / t_marlin / 1e9
-                row = dict(format=fmt, n=n, k=k, m=m, marlin_ms=t_marlin * 1e3, int4_ms=t_int4 * 1e3,
-                           bf16_ms=t_bf16 * 1e3, fp32_ms=t_fp32 * 1e3, marlin_gbs=gbs,
-                           speedup_vs_int4=t_int4 / t_marlin, speedup_vs_bf16=t_bf16 / t_marlin)
+                t = interleaved_medians({
+                    "marlin": lambda: torch.ops.marlin.gemm(x16, packed, scales, zeros, None, fmt, GROUP_SIZE),
+                    "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x16, int4_packed, GROUP_SIZE, int4_sz),
+                    "bf16": lambda: x16 @ w16.t(),
+                    "fp32": lambda: x32 @ w32.t(),
+                }, repeats, clock=CLOCKS[args.clock])
+                row = dict(format=fmt, n=n, k=k, m=m, marlin_ms=t["marlin"] * 1e3, int4_ms=t["int4"] * 1e3,
+                           bf16_ms=t["bf16"] * 1e3, fp32_ms=t["fp32"] * 1e3,
+                           speedup_vs_int4=t["int4"] / t["marlin"], speedup_vs_bf16=t["bf16"] / t["marlin"])
                 results.append(row)
-                print(f"{fmt:6} {n:6} {k:6} {m:4} | {row['marlin_ms']:9.3f} {gbs:6.1f} | {row['int4_ms']:8.3f} "
-                      f"{row['bf16_ms']:8.3f} {row['fp32_ms']:8.3f} | {row['speedup_vs_int4']:6.2f} {row['speedup_vs_bf16']:6.2f}")
+                print(f"{fmt:6} {n:6} {k:6} {m:4} | {row['marlin_ms']:9.3f} | {row['int4_ms']:8.3f} "
+                      f"{row['bf16_ms']:8.3f} {row['fp32_ms']:8.3f} | {row['speedup_vs_int4']:6.2f} "
+                      f"{row['speedup_vs_bf16']:6.2f}")
     with open(args.json, "w") as f:
-        json.dump(dict(copy_bandwidth_gbs=bandwidth, threads=torch.get_num_threads(),
-                       torch=torch.__version__, results=results), f, indent=1)
+        json.dump(dict(cpu=cpu, kernels=kernels["selected"], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                       threads=torch.get_num_threads(), clock=args.clock, torch=torch.__version__,
+                       group_size=GROUP_SIZE, results=results), f, indent=1)
     print(f"wrote {args.json}")
 
 

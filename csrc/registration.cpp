@@ -90,4 +90,6 @@ TORCH_LIBRARY(marlin, m) {
   m.def(
       "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
       "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
+  // Internal: which CPU kernel builds this machine runs and which one was chosen (JSON).
+  m.def("_cpu_kernels() -> str");
 }

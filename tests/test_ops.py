@@ -1,5 +1,6 @@
 """torch.ops.marlin.* on CPU against float64 dequantize-then-matmul."""
 
+import json
 import os
 import subprocess
 import sys
@@ -146,13 +147,51 @@ def test_dequantize_bad_dtype():
         torch.ops.marlin.dequantize(a["packed"], a["scales"], a["zeros"], "uint4", 32, torch.int32)
 
 
-@pytest.mark.skipif(os.environ.get("TORCH_MARLIN_CPU_KERNELS") == "generic", reason="already the portable build")
-def test_portable_kernels_match_reference():
-    """The build without AVX2 (what aarch64 and older x86 run), forced by environment variable."""
-    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS="generic")
-    tests = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and_batch_dims", "test_dequantize_is_exact",
-             "test_every_fp4_code_through_the_op"]
+def cpu_kernels():
+    """{"selected": build, "error": ..., "builds": {build: "" if this CPU runs it, else why not}}."""
+    return json.loads(torch.ops.marlin._cpu_kernels())
+
+
+def test_selected_kernel_build_is_reported():
+    info = cpu_kernels()
+    forced = os.environ.get("TORCH_MARLIN_CPU_KERNELS")
+    assert info["selected"] == (forced or next(b for b, why in info["builds"].items() if not why))
+    assert info["builds"]["generic"] == ""  # runs everywhere
+
+
+REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and_batch_dims", "test_dequantize_is_exact",
+                   "test_every_fp4_code_through_the_op", "test_selected_kernel_build_is_reported"]
+
+
+@pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
+def test_kernel_build_matches_reference(build):
+    """Each build this CPU runs (avx512_bf16, avx512, avx2, generic on x86), forced by
+    environment variable; the aarch64 builds run under qemu in test_cpu_kernels_aarch64.py."""
+    info = cpu_kernels()
+    if info["builds"][build]:
+        pytest.skip(f"{build}: {info['builds'][build]}")
+    if build == info["selected"]:
+        pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", " or ".join(tests)], env=env, capture_output=True, text=True, timeout=600)
+                             "-k", " or ".join(REFERENCE_TESTS)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.parametrize("build, message", [
+    ("no-such-build", "TORCH_MARLIN_CPU_KERNELS='no-such-build' is not a kernel build; expected one of avx512_bf16, "),
+    # a build this machine cannot run (there is always one: the other architecture's)
+    (next(b for b, why in cpu_kernels()["builds"].items() if why), "cannot run here"),
+])
+def test_forcing_a_build_this_cpu_cannot_run_is_an_error(build, message):
+    code = ("import torch, torch_marlin as tm\n"
+            "p = tm.pack_codes(torch.randint(0, 16, (64, 8)))\n"
+            "try:\n"
+            "    torch.ops.marlin.gemm(torch.randn(2, 64), p, torch.ones(1, 8).half(), None, None, 'fp4', -1)\n"
+            "except RuntimeError as e:\n"
+            "    print(str(e).splitlines()[0])\n")
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert message in result.stdout, result.stdout

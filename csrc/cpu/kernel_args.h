@@ -11,8 +11,9 @@ namespace cpu {
 constexpr int kFormatFp4 = kFp4, kFormatUint4 = kUint4, kFormatInt4 = kInt4;
 
 struct GemmArgs {
-  const float* x;          // [m, k] fp32, contiguous (null for dequantize)
-  const float* xsum;       // [m, groups]: sum of x over each group (uint4 gemv only)
+  const float* x;          // [m, k] fp32, contiguous (null for dequantize, or when x_bf16 is set)
+  const uint16_t* x_bf16;  // [m, k] bf16 bits, contiguous: instead of x, for builds with bf16_x
+  const float* xsum;       // [m, groups]: fp32 sums of x over each group (uint4: gemv, and gemm_tile on x_bf16)
   const int32_t* packed;   // [k / 8, n]
   const uint16_t* scales;  // [groups, n] fp16 bits
   const uint16_t* zeros;   // [groups, n] fp16 bits, uint4 only
@@ -22,7 +23,8 @@ struct GemmArgs {
 };
 
 // Up to this many rows of x, gemv decodes each weight word once in registers
-// and applies it to all rows; above, gemm_tile dequantizes cache-sized tiles.
+// and applies it to all rows (any m works; this is the crossover ops.cpp uses);
+// above, gemm_tile dequantizes cache-sized tiles.
 constexpr int64_t kGemvMaxRows = 8;
 
 // Columns per work item of each kernel; ops.cpp splits work along these.
@@ -30,14 +32,40 @@ constexpr int64_t kGemvBlockCols = 64;
 constexpr int64_t kGemmBlockCols = 64;
 constexpr int64_t kGemmBlockRows = 256;
 
-#define MARLIN_DECLARE_CPU_KERNELS(NS)                                                       \
-  namespace NS {                                                                             \
-  void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);              \
-  void gemm_tile(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);     \
-  void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile); \
+// Floats of scratch that gemm_tile needs for `rows` rows of x.
+constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + rows) * kGemmBlockCols; }
+
+// One build of the kernels (one instruction set). Entry points:
+//   gemv(a, m0, m1, n0, n1)    out[m0:m1, n0:n1]: every weight word is decoded once
+//                              in registers for (up to kGemvMaxRows) rows
+//   gemm_tile(a, m0, m1, nb, scratch)  out[m0:m1, nb:nb+64]: dequantizes cache-sized
+//                              tiles once and reuses them for every row
+//   dequantize_rows(a, k0, k1, nb, tile)  fp32 B[k0:k1, nb:nb+64] into tile (row stride 64)
+struct CpuKernels {
+  const char* name;
+  void (*gemv)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+  void (*gemm_tile)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
+  void (*dequantize_rows)(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
+  bool bf16_x;  // takes bf16 activations as x_bf16 (exact bf16 products, fp32 sums)
+};
+
+// Each kernels_<isa>.cpp defines its table; a build that the compiler cannot
+// produce for this architecture has name == nullptr.
+#define MARLIN_DECLARE_CPU_KERNELS(NS) \
+  namespace NS {                       \
+  extern const CpuKernels kernels;     \
   }
 
+// A build this architecture cannot run: an empty table.
+#define MARLIN_UNAVAILABLE_CPU_KERNELS(NS)          \
+  namespace marlin::cpu::NS {                      \
+  extern const CpuKernels kernels = {};            \
+  }
+
+MARLIN_DECLARE_CPU_KERNELS(avx512_bf16)
+MARLIN_DECLARE_CPU_KERNELS(avx512)
 MARLIN_DECLARE_CPU_KERNELS(avx2)
+MARLIN_DECLARE_CPU_KERNELS(neon_bf16)
 MARLIN_DECLARE_CPU_KERNELS(generic)
 
 }  // namespace cpu

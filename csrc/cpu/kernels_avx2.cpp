@@ -6,27 +6,13 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define MARLIN_KERNEL_NS avx2
+#define MARLIN_KERNEL_NAME "avx2"
 #define MARLIN_KERNEL_AVX2 1  // enables the AVX2/FMA/F16C builtins in kernels_impl.h
 #include "cpu/kernels_impl.h"
 #ifdef __clang__
 #pragma clang attribute pop
 #endif
 #else
-// Other architectures: "avx2" is never selected; alias it to the generic build.
 #include "cpu/kernel_args.h"
-namespace marlin {
-namespace cpu {
-namespace avx2 {
-void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  generic::gemv(a, m0, m1, n0, n1);
-}
-void gemm_tile(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  generic::gemm_tile(a, m0, m1, nb, scratch);
-}
-void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
-  generic::dequantize_rows(a, k0, k1, nb, tile);
-}
-}  // namespace avx2
-}  // namespace cpu
-}  // namespace marlin
+MARLIN_UNAVAILABLE_CPU_KERNELS(avx2)
 #endif

@@ -1,15 +1,20 @@
 // CPU kernels for torch.ops.marlin.* on raw pointers, written once and
-// compiled twice (kernels_avx2.cpp with AVX2+FMA+F16C, kernels_generic.cpp
-// for any CPU); csrc/cpu/ops.cpp picks one at run time.
+// compiled once per instruction set (kernels_<isa>.cpp); csrc/cpu/ops.cpp
+// picks a build at run time.
 //
 // Everything here is in an anonymous namespace and includes no C++ library
-// headers, so the two ISA builds cannot leak into each other through
-// shared inline functions (ODR). GCC/Clang vector extensions give 8-float
-// vectors that map to one AVX2 register or two SSE/NEON registers; the
-// AVX2 build additionally uses a few x86 builtins (MARLIN_KERNEL_AVX2).
+// headers, so the ISA builds cannot leak into each other through shared
+// inline functions (ODR). GCC/Clang vector extensions give vectors of
+// kLanes floats: one AVX-512 register (16), one AVX2 register (8), or two
+// SSE/NEON registers (8). A few x86/Arm builtins are used where a build
+// has them.
 //
-// Usage: define MARLIN_KERNEL_NS (and MARLIN_KERNEL_AVX2 for the x86 build),
-// then include this file.
+// Usage: define MARLIN_KERNEL_NS, MARLIN_KERNEL_NAME and the feature macros
+// below (all default to 0), then include this file.
+//   MARLIN_KERNEL_AVX2      AVX2 + FMA + F16C builtins, 8 lanes
+//   MARLIN_KERNEL_AVX512    AVX-512 F/BW/VL/DQ intrinsics, 16 lanes
+//   MARLIN_KERNEL_BF16_DOT  bf16 pair dot products for bf16 activations:
+//                           AVX512-BF16 + VBMI (with MARLIN_KERNEL_AVX512) or Arm BF16
 #include <stdint.h>
 #include <string.h>
 
@@ -18,22 +23,38 @@
 #ifndef MARLIN_KERNEL_AVX2
 #define MARLIN_KERNEL_AVX2 0
 #endif
+#ifndef MARLIN_KERNEL_AVX512
+#define MARLIN_KERNEL_AVX512 0
+#endif
+#ifndef MARLIN_KERNEL_BF16_DOT
+#define MARLIN_KERNEL_BF16_DOT 0
+#endif
+#if MARLIN_KERNEL_AVX512
+#include <immintrin.h>
+#define MARLIN_VECTOR_BYTES 64
+#else
+#define MARLIN_VECTOR_BYTES 32
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace marlin {
 namespace cpu {
 namespace MARLIN_KERNEL_NS {
 namespace {
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef short v8h __attribute__((vector_size(16)));
+constexpr int kLanes = MARLIN_VECTOR_BYTES / 4;
+typedef float vf __attribute__((vector_size(MARLIN_VECTOR_BYTES)));
+typedef int32_t vi __attribute__((vector_size(MARLIN_VECTOR_BYTES)));
+typedef uint32_t vu __attribute__((vector_size(MARLIN_VECTOR_BYTES)));
 
 constexpr int kStrip = int(kGemvBlockCols);  // gemv: columns whose accumulators stay in L1
 constexpr int kChunkWords = 16;              // gemv: word rows decoded per pass (128 K values)
-constexpr int kMaxRows = int(kGemvMaxRows);
+constexpr int kPanelStrips = 8;              // gemv: strips per panel (see gemv_impl)
 constexpr int kTileCols = int(kGemmBlockCols);
 constexpr int kTileRows = int(kGemmBlockRows);  // a 64 KiB fp32 tile: stays in L2
+constexpr int kMaxRows = int(kGemvMaxRows);
 
 inline float half_to_float(uint16_t h) {
   const uint32_t sign = uint32_t(h & 0x8000) << 16;
@@ -57,26 +78,57 @@ inline float half_to_float(uint16_t h) {
   return f;
 }
 
-inline v8f load8(const float* p) {
-  v8f v;
+inline vf load(const float* p) {
+  vf v;
   memcpy(&v, p, sizeof(v));
   return v;
 }
-inline v8i load8(const int32_t* p) {
-  v8i v;
+inline vi load(const int32_t* p) {
+  vi v;
   memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store8(float* p, v8f v) { memcpy(p, &v, sizeof(v)); }
-inline v8f splat(float f) { return v8f{f, f, f, f, f, f, f, f}; }  // one vbroadcastss
+inline void store(float* p, vf v) { memcpy(p, &v, sizeof(v)); }
+inline vf splat(float f) {  // one vbroadcastss
+#if MARLIN_KERNEL_AVX512
+  return _mm512_set1_ps(f);
+#else
+  return vf{f, f, f, f, f, f, f, f};
+#endif
+}
+// 32 bits of memory in every lane (a bf16 pair of x), without float semantics.
+inline vf splat_bits(const void* p) {
+  float f;
+  memcpy(&f, p, 4);
+  return splat(f);
+}
 
 // a * b + c; -std=c++20 turns off FP contraction, so ask for the FMA.
-inline v8f fmadd(v8f a, v8f b, v8f c) {
-#if MARLIN_KERNEL_AVX2
+inline vf fmadd(vf a, vf b, vf c) {
+#if MARLIN_KERNEL_AVX512
+  return _mm512_fmadd_ps(a, b, c);
+#elif MARLIN_KERNEL_AVX2
   return __builtin_ia32_vfmaddps256(a, b, c);
+#elif defined(__aarch64__)
+  float32x4_t av[2], bv[2], cv[2];  // vf is two NEON registers
+  memcpy(av, &a, sizeof(a));
+  memcpy(bv, &b, sizeof(b));
+  memcpy(cv, &c, sizeof(c));
+  for (int h = 0; h < 2; ++h) cv[h] = vfmaq_f32(cv[h], av[h], bv[h]);
+  memcpy(&c, cv, sizeof(c));
+  return c;
 #else
   return a * b + c;
 #endif
+}
+
+// The value of each 4-bit code, indexed by the raw code (int4: q - 8; fp4 code 8 is -0).
+template <int F>
+constexpr float code_value(int code) {
+  const float e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+  return F == kFormatFp4 ? (code & 8 ? -e2m1[code & 7] : e2m1[code & 7])
+         : F == kFormatInt4 ? float(code - 8)
+                            : float(code);
 }
 
 // E2M1 code (0..15) -> fp32 with neither tables nor compares (GCC turns
@@ -85,40 +137,107 @@ inline v8f fmadd(v8f a, v8f b, v8f c) {
 // t = 0.5, 0.75, 1, 1.5, ..., 6: right except for codes 0 and 1 (0, 0.5).
 // min(t, 2t - 1) fixes exactly those, written as t - relu(1 - t), with
 // relu(y) = (y + |y|) / 2; every step is exact. The sign bit is ORed in.
-inline v8f decode_fp4(v8i code) {
-  const v8f t = (v8f)(((code & 7) << 22) + (126 << 23));
-  const v8f y = 1.f - t;
-  const v8f magnitude = t - (y + (v8f)((v8i)y & 0x7FFFFFFF)) * 0.5f;
-  return (v8f)((v8i)magnitude | ((code & 8) << 28));
+inline vf decode_fp4(vi code) {
+  const vf t = (vf)(((code & 7) << 22) + (126 << 23));
+  const vf y = 1.f - t;
+  const vf magnitude = t - (y + (vf)((vi)y & 0x7FFFFFFF)) * 0.5f;
+  return (vf)((vi)magnitude | ((code & 8) << 28));
 }
+
+// AVX-512 decodes every format by table: vpermps reads the low 4 bits of each index.
+constexpr bool kTableDecode = MARLIN_KERNEL_AVX512;
 
 // Prepares a loaded word vector for decode_nibble: int4 flips each nibble's
 // top bit, so that nibble read as a signed 4-bit number is q - 8.
 template <int F>
-inline v8i prepare_words(v8i w) {
-  return F == kFormatInt4 ? w ^ int32_t(0x88888888u) : w;
+inline vi prepare_words(vi w) {
+  return F == kFormatInt4 && !kTableDecode ? w ^ int32_t(0x88888888u) : w;
 }
 
 // Value of nibble j (K row 8r + j) of prepared words: fp4 -> e2m1 value,
 // int4 -> q - 8 (exact, no zero point needed), uint4 -> q (zero applied later).
 template <int F>
-inline v8f decode_nibble(v8i w, int j) {
+inline vf decode_nibble(vi w, int j) {
+#if MARLIN_KERNEL_AVX512
+#define MARLIN_V(i) code_value<F>(i)
+  const vf values = {MARLIN_V(0),  MARLIN_V(1),  MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
+                     MARLIN_V(6),  MARLIN_V(7),  MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
+                     MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+#undef MARLIN_V
+  return _mm512_permutexvar_ps((__m512i)((vu)w >> (4 * j)), (__m512)values);
+#else
   if (F == kFormatFp4) {
 #if MARLIN_KERNEL_AVX2
     // vpermps reads only the low 3 bits of each index: a magnitude table
     // lookup without masking; the sign bit is moved to bit 31.
-    const v8f magnitudes = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    const v8f mag = __builtin_ia32_permvarsf256(magnitudes, (v8i)((v8u)w >> (4 * j)));
-    return (v8f)((v8i)mag ^ ((w << (28 - 4 * j)) & int32_t(0x80000000u)));
+    const vf magnitudes = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    const vf mag = __builtin_ia32_permvarsf256(magnitudes, (vi)((vu)w >> (4 * j)));
+    return (vf)((vi)mag ^ ((w << (28 - 4 * j)) & int32_t(0x80000000u)));
 #else
-    return decode_fp4((v8i)((v8u)w >> (4 * j)) & 15);
+    return decode_fp4((vi)((vu)w >> (4 * j)) & 15);
 #endif
   } else if (F == kFormatInt4) {
-    return __builtin_convertvector((w << (28 - 4 * j)) >> 28, v8f);
+    return __builtin_convertvector((w << (28 - 4 * j)) >> 28, vf);
   } else {
-    return __builtin_convertvector((v8i)((v8u)w >> (4 * j)) & 15, v8f);
+    return __builtin_convertvector((vi)((vu)w >> (4 * j)) & 15, vf);
   }
+#endif
 }
+
+// ---------------------------------------------------------------------------
+// bf16 dot products (MARLIN_KERNEL_BF16_DOT): x stays bf16, each code is
+// decoded to its exact bf16 value, the products are exact in fp32 and sums are
+// fp32; scales are applied per group in fp32, as in the fp32 path. Lane i of
+// a pair vector holds the values of K rows 2p and 2p + 1 (nibbles 2p, 2p + 1
+// of word i), matching x's natural layout: one 32-bit broadcast of x per pair.
+#if MARLIN_KERNEL_BF16_DOT
+
+inline uint16_t bf16_bits(float f) {  // exact for the code values
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return uint16_t(u >> 16);
+}
+
+// Pair p (0..3) of each prepared word.
+template <int F>
+inline vf decode_pair(vi w, int p) {
+#if MARLIN_KERNEL_AVX512
+  // vpmultishiftqb puts word bits 8p.. into the low byte of each 16-bit lane
+  // and bits 8p+4.. into the high lane's; vpermw reads 5 index bits, so the
+  // 16 values are stored twice and the 5th bit (the next nibble) is ignored.
+  const __m512i select = _mm512_set1_epi64(0x2424202004040000ll + 0x0808080808080808ll * p);
+  typedef short v32s __attribute__((vector_size(64)));
+#define MARLIN_V(i) short(bf16_bits(code_value<F>(i)))
+#define MARLIN_V16 MARLIN_V(0), MARLIN_V(1), MARLIN_V(2), MARLIN_V(3), MARLIN_V(4), MARLIN_V(5), MARLIN_V(6), \
+                   MARLIN_V(7), MARLIN_V(8), MARLIN_V(9), MARLIN_V(10), MARLIN_V(11), MARLIN_V(12), MARLIN_V(13), \
+                   MARLIN_V(14), MARLIN_V(15)
+  const v32s values = {MARLIN_V16, MARLIN_V16};
+#undef MARLIN_V16
+#undef MARLIN_V
+  return (vf)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(select, (__m512i)w), (__m512i)values);
+#else
+  // Both nibbles decoded in fp32 (exact in bf16): keep their top halves.
+  const vu lo = (vu)decode_nibble<F>(w, 2 * p), hi = (vu)decode_nibble<F>(w, 2 * p + 1);
+  return (vf)((lo >> 16) | (hi & 0xFFFF0000u));
+#endif
+}
+
+// c + (bf16 pairs a) . (bf16 pairs b), lane by lane.
+inline vf dot_pairs(vf c, vf a, vf b) {
+#if MARLIN_KERNEL_AVX512
+  return _mm512_dpbf16_ps(c, (__m512bh)a, (__m512bh)b);
+#else
+  float32x4_t cv[2], av[2], bv[2];
+  memcpy(cv, &c, sizeof(c));
+  memcpy(av, &a, sizeof(a));
+  memcpy(bv, &b, sizeof(b));
+  for (int h = 0; h < 2; ++h) cv[h] = vbfdotq_f32(cv[h], (bfloat16x8_t)av[h], (bfloat16x8_t)bv[h]);
+  memcpy(&c, cv, sizeof(c));
+  return c;
+#endif
+}
+
+#endif  // MARLIN_KERNEL_BF16_DOT
 
 // Copies `count` (<= width) words/values into a zero-padded local row so
 // tails need no separate code path.
@@ -127,12 +246,22 @@ inline void copy_words(int32_t* dst, const int32_t* src, int64_t count, int widt
   memset(dst + count, 0, (width - count) * sizeof(int32_t));
 }
 inline void copy_halves(float* dst, const uint16_t* src, int64_t count, int width) {
-#if MARLIN_KERNEL_AVX2
+#if MARLIN_KERNEL_AVX512
+  if (count == width) {  // 16 at a time
+    for (int i = 0; i < width; i += 16) {
+      __m256i h;
+      memcpy(&h, src + i, sizeof(h));
+      store(dst + i, _mm512_cvtph_ps(h));
+    }
+    return;
+  }
+#elif MARLIN_KERNEL_AVX2
   if (count == width) {  // F16C: 8 at a time
+    typedef short v8h __attribute__((vector_size(16)));
     for (int i = 0; i < width; i += 8) {
       v8h h;
       memcpy(&h, src + i, sizeof(h));
-      store8(dst + i, __builtin_ia32_vcvtph2ps256(h));
+      store(dst + i, __builtin_ia32_vcvtph2ps256(h));
     }
     return;
   }
@@ -145,10 +274,12 @@ inline void copy_halves(float* dst, const uint16_t* src, int64_t count, int widt
 // GEMV (few rows): every weight word is decoded once in registers and
 // multiplied into MR rows at once; nothing is dequantized to memory.
 // Per group: part = sum_k x_k * v_k; acc += s * part (uint4: s * (part - z * sum_k x_k)).
+// Dot = true: bf16 x and pair dot products, 4 steps per word instead of 8.
 
 struct GemvChunk {
-  const float* x;    // x[m, 8 * r0 ...]: the chunk's K range of the block's first row
-  int64_t ldx;       // row stride of x
+  const float* x;    // x[m, ...]: the chunk's K range of the block's first row
+                     // (fp32, or bf16 pairs read as 32-bit units when Dot)
+  int64_t ldx;       // row stride of x, in 32-bit units
   const int32_t* w;  // word row r0, first column of the strip
   int64_t ldw;       // word row stride (N, or kStrip for a padded copy)
   int words;         // word rows in this chunk
@@ -166,97 +297,121 @@ struct GemvChunk {
 // nibbles, each byte 2 * e2m1(code) as int8 (exact; -0 becomes +0, which a
 // sum cannot tell apart). The other paths keep the word for decode_nibble.
 struct GemvWords {
-  v8i a, b;
+  vi a, b;
 };
 constexpr bool kGemvByteTable = MARLIN_KERNEL_AVX2;
 
-template <int F>
-inline GemvWords gemv_prepare(v8i w) {
+template <int F, bool Dot>
+inline GemvWords gemv_prepare(vi w) {
 #if MARLIN_KERNEL_AVX2
   if (F == kFormatFp4) {
     typedef char v32c __attribute__((vector_size(32)));
     const v32c twice_e2m1 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
                              0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-    const v8i low = w & 0x0F0F0F0F, high = (v8i)((v8u)w >> 4) & 0x0F0F0F0F;
-    return {(v8i)__builtin_ia32_pshufb256(twice_e2m1, (v32c)low),
-            (v8i)__builtin_ia32_pshufb256(twice_e2m1, (v32c)high)};
+    const vi low = w & 0x0F0F0F0F, high = (vi)((vu)w >> 4) & 0x0F0F0F0F;
+    return {(vi)__builtin_ia32_pshufb256(twice_e2m1, (v32c)low),
+            (vi)__builtin_ia32_pshufb256(twice_e2m1, (v32c)high)};
   }
 #endif
-  return {prepare_words<F>(w), v8i{}};
+  return {prepare_words<F>(w), vi{}};
 }
 
-// Nibble j's value; for the byte table path it is twice the weight, and
-// gemv_micro halves the group sum once instead.
-template <int F>
-inline v8f gemv_value(const GemvWords& p, int j) {
+// Step j's weight vector: nibble j's value (for the byte table path twice
+// the weight, and gemv_micro halves the group sum once instead), or pair j.
+template <int F, bool Dot>
+inline vf gemv_value(const GemvWords& p, int j) {
+#if MARLIN_KERNEL_BF16_DOT
+  if (Dot) return decode_pair<F>(p.a, j);
+#endif
   if (F == kFormatFp4 && kGemvByteTable) {
-    const v8i bytes = (j & 1) ? p.b : p.a;
-    return __builtin_convertvector((bytes << (24 - 8 * (j >> 1))) >> 24, v8f);
+    const vi bytes = (j & 1) ? p.b : p.a;
+    return __builtin_convertvector((bytes << (24 - 8 * (j >> 1))) >> 24, vf);
   }
   return decode_nibble<F>(p.a, j);
 }
 
-// Rows [0, MR) of the block, columns [col, col + 8 * NV) of the strip.
-template <int F, int MR, int NV>
+template <bool Dot>
+inline vf gemv_madd(vf xs, vf b, vf p) {
+#if MARLIN_KERNEL_BF16_DOT
+  if (Dot) return dot_pairs(p, b, xs);
+#endif
+  return fmadd(xs, b, p);
+}
+
+// Rows [0, MR) of the block, columns [col, col + kLanes * NV) of the strip.
+template <int F, int MR, int NV, bool Dot>
 inline void gemv_micro(const GemvChunk& c, int col) {
-  v8f p[MR][NV];
+  constexpr int steps = Dot ? 4 : 8;  // products per word per row
+  vf p[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) p[i][v] = c.first ? v8f{} : load8(c.part + i * kStrip + col + 8 * v);
+    for (int v = 0; v < NV; ++v) p[i][v] = c.first ? vf{} : load(c.part + i * kStrip + col + kLanes * v);
   for (int r = 0; r < c.words; ++r) {
     GemvWords w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = gemv_prepare<F>(load8(c.w + r * c.ldw + col + 8 * v));
-    const float* x = c.x + 8 * r;
+    for (int v = 0; v < NV; ++v) w[v] = gemv_prepare<F, Dot>(load(c.w + r * c.ldw + col + kLanes * v));
+    const float* x = c.x + steps * r;
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      v8f b[NV];
-      for (int v = 0; v < NV; ++v) b[v] = gemv_value<F>(w[v], j);
+    for (int j = 0; j < steps; ++j) {
+      vf b[NV];
+      for (int v = 0; v < NV; ++v) b[v] = gemv_value<F, Dot>(w[v], j);
       for (int i = 0; i < MR; ++i) {
-        const v8f xs = splat(x[i * c.ldx + j]);
-        for (int v = 0; v < NV; ++v) p[i][v] = fmadd(xs, b[v], p[i][v]);
+        const vf xs = splat(x[i * c.ldx + j]);
+        for (int v = 0; v < NV; ++v) p[i][v] = gemv_madd<Dot>(xs, b[v], p[i][v]);
       }
     }
   }
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v) {
-      const int o = i * kStrip + col + 8 * v;
+      const int o = i * kStrip + col + kLanes * v;
       if (!c.last) {
-        store8(c.part + o, p[i][v]);
+        store(c.part + o, p[i][v]);
         continue;
       }
-      v8f sum = p[i][v];
-      if (F == kFormatFp4 && kGemvByteTable) sum *= 0.5f;
-      if (F == kFormatUint4) sum -= load8(c.zero + col + 8 * v) * c.xsum[i * c.ldxsum];
-      store8(c.acc + o, fmadd(load8(c.scale + col + 8 * v), sum, load8(c.acc + o)));
+      vf sum = p[i][v];
+      if (F == kFormatFp4 && kGemvByteTable && !Dot) sum *= 0.5f;
+      if (F == kFormatUint4) sum -= load(c.zero + col + kLanes * v) * c.xsum[i * c.ldxsum];
+      store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
     }
   }
 }
 
-// All `cols` (padded to vectors) of the strip for MR rows; few rows take
-// wider column blocks so enough independent FMA chains are in flight. The
-// generic build has half the vector width (two registers per v8f): half the blocks.
-template <int F, int MR>
+// Register blocks: few rows take wider column blocks so enough independent
+// chains are in flight. AVX2: 6 rows x 16 columns fill 12 of 16 registers.
+// The generic build has half the vector width (two registers per vf): half
+// the blocks. AVX-512 has 32 registers of 16 lanes.
+template <bool Dot>
+constexpr int kGemvBlockRows = MARLIN_KERNEL_AVX512 ? 8 : MARLIN_KERNEL_AVX2 ? 6 : 4;
+template <int MR, bool Dot>
+constexpr int kGemvBlockVectors = MARLIN_KERNEL_AVX512 ? (MR <= 3 ? 4 : 2)
+                                  : MARLIN_KERNEL_AVX2 ? (MR <= 2 ? 4 : 2)
+                                                       : (MR <= 2 ? 2 : 1);
+
+// All `cols` (padded to vectors) of the strip for MR rows.
+template <int F, int MR, bool Dot>
 inline void gemv_block(const GemvChunk& c, int cols) {
-  constexpr int NV = (MR <= 2 ? 4 : 2) / (MARLIN_KERNEL_AVX2 ? 1 : 2);
-  for (int col = 0; col < cols; col += 8 * NV) gemv_micro<F, MR, NV>(c, col);
+  constexpr int NV = kGemvBlockVectors<MR, Dot>;
+  for (int col = 0; col < cols; col += kLanes * NV) gemv_micro<F, MR, NV, Dot>(c, col);
 }
 
-// Rows per register block: 6 x 16 columns fills 12 of AVX2's 16 registers.
-template <int F>
-constexpr int kGemvBlockRows = MARLIN_KERNEL_AVX2 ? 6 : 4;
-
-template <int F>
+template <int F, bool Dot>
 void gemv_rows(GemvChunk c, int rows, int cols) {
+  constexpr int block_rows = kGemvBlockRows<Dot>;
   for (int i = 0; i < rows;) {
     // Balanced blocks (8 rows = 4 + 4, not 6 + 2): a thin block wastes decodes.
-    const int left = rows - i, blocks = (left + kGemvBlockRows<F> - 1) / kGemvBlockRows<F>;
+    const int left = rows - i, blocks = (left + block_rows - 1) / block_rows;
     const int mr = (left + blocks - 1) / blocks;
     switch (mr) {
-      case 1: gemv_block<F, 1>(c, cols); break;
-      case 2: gemv_block<F, 2>(c, cols); break;
-      case 3: gemv_block<F, 3>(c, cols); break;
-      case 4: gemv_block<F, 4>(c, cols); break;
-      case 5: gemv_block<F, 5>(c, cols); break;
-      default: gemv_block<F, 6>(c, cols); break;
+      case 1: gemv_block<F, 1, Dot>(c, cols); break;
+      case 2: gemv_block<F, 2, Dot>(c, cols); break;
+      case 3: gemv_block<F, 3, Dot>(c, cols); break;
+      case 4: gemv_block<F, 4, Dot>(c, cols); break;
+      case 5: gemv_block<F, 5, Dot>(c, cols); break;
+#if MARLIN_KERNEL_AVX512
+      case 6: gemv_block<F, 6, Dot>(c, cols); break;
+      case 7: gemv_block<F, 7, Dot>(c, cols); break;
+      default: gemv_block<F, 8, Dot>(c, cols); break;
+#else
+      default: gemv_block<F, 6, Dot>(c, cols); break;
+#endif
     }
     c.x += mr * c.ldx;
     c.xsum += mr * c.ldxsum;
@@ -266,72 +421,92 @@ void gemv_rows(GemvChunk c, int rows, int cols) {
   }
 }
 
-// out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one strip of kStrip columns at a time.
-template <int F>
+// out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one panel of kPanelStrips
+// strips at a time: per chunk of K, every strip of the panel, so that each
+// word row is read as kPanelStrips * 256 contiguous bytes (one TLB entry and
+// a prefetchable stream instead of 256 bytes per page when N is large).
+template <int F, bool Dot>
 void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  constexpr int x_per_word = Dot ? 4 : 8;  // 32-bit units of x per word row
+  constexpr int kPanel = kPanelStrips * kStrip;
   const int rows = int(m1 - m0);
   const int64_t group_words = a.group_rows / 8;  // groups span whole words
-  alignas(32) float acc[kMaxRows * kStrip], part[kMaxRows * kStrip];
-  alignas(32) float scale[kStrip], zero[kStrip];
+  // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
+  alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
+  alignas(64) float scale[kPanel], zero[kPanel];
   // x and the weights are copied into these when re-read: rows of x (stride K)
   // and word rows (stride N) a power of two apart would share L1 sets.
   alignas(64) int32_t padded[kChunkWords * kStrip];
-  alignas(64) float xbuf[kMaxRows * kChunkWords * 8];
-  for (int64_t nb = n0; nb < n1; nb += kStrip) {
-    const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
-    const int vcols = (cols + 7) & ~7;
-    memset(acc, 0, sizeof(acc));
+  alignas(64) float xbuf[kMaxRows * kChunkWords * x_per_word];
+  for (int64_t pb = n0; pb < n1; pb += kPanel) {
+    const int64_t panel_cols = n1 - pb < kPanel ? n1 - pb : kPanel;
+    const int strips = int((panel_cols + kStrip - 1) / kStrip);
+    memset(acc, 0, strips * kMaxRows * kStrip * sizeof(float));
     GemvChunk c;
     c.x = xbuf;
-    c.ldx = kChunkWords * 8;
+    c.ldx = kChunkWords * x_per_word;
     c.ldxsum = a.groups;
-    c.scale = scale;
-    c.zero = zero;
-    c.part = part;
-    c.acc = acc;
     for (int64_t g = 0; g < a.groups; ++g) {
-      copy_halves(scale, a.scales + g * a.n + nb, cols, kStrip);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kStrip);
+      for (int s = 0; s < strips; ++s) {
+        const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+        copy_halves(scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
+        if (F == kFormatUint4) copy_halves(zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
+      }
       for (int64_t w0 = 0; w0 < group_words; w0 += kChunkWords) {
         const int64_t r0 = g * group_words + w0;
         c.words = int(group_words - w0 < kChunkWords ? group_words - w0 : kChunkWords);
         c.first = w0 == 0;
         c.last = w0 + c.words == group_words;
-        for (int i = 0; i < rows; ++i)
-          memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + 8 * r0, c.words * 8 * sizeof(float));
-        c.xsum = a.xsum ? a.xsum + m0 * a.groups + g : nullptr;
-        if (cols == kStrip && rows <= kGemvBlockRows<F>) {  // read once: stream from the weight
-          c.w = a.packed + r0 * a.n + nb;
-          c.ldw = a.n;
-          // Each word row is on its own page: fetch the next chunk early.
-          const int64_t next = r0 + c.words;
-          for (int64_t r = next; r < next + kChunkWords && r < a.k / 8; ++r)
-            for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.packed + r * a.n + nb + l);
-        } else {
-          for (int r = 0; r < c.words; ++r)
-            copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
-          c.w = padded;
-          c.ldw = kStrip;
+        for (int i = 0; i < rows; ++i) {
+          if (Dot)
+            memcpy(xbuf + i * c.ldx, a.x_bf16 + (m0 + i) * a.k + 8 * r0, c.words * 8 * sizeof(uint16_t));
+          else
+            memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + 8 * r0, c.words * 8 * sizeof(float));
         }
-        gemv_rows<F>(c, rows, vcols);
+        c.xsum = a.xsum ? a.xsum + m0 * a.groups + g : nullptr;
+        // Fetch the panel's next chunk early (each word row is its own stream).
+        const int64_t next = r0 + c.words;
+        for (int64_t r = next; r < next + kChunkWords && r < a.k / 8; ++r)
+          for (int64_t l = 0; l < panel_cols; l += 16) __builtin_prefetch(a.packed + r * a.n + pb + l);
+        for (int s = 0; s < strips; ++s) {
+          const int64_t nb = pb + s * kStrip;
+          const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
+          c.scale = scale + s * kStrip;
+          c.zero = zero + s * kStrip;
+          c.part = part + s * kMaxRows * kStrip;
+          c.acc = acc + s * kMaxRows * kStrip;
+          if (cols == kStrip && rows <= kGemvBlockRows<Dot>) {  // read once: stream from the weight
+            c.w = a.packed + r0 * a.n + nb;
+            c.ldw = a.n;
+          } else {
+            for (int r = 0; r < c.words; ++r)
+              copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
+            c.w = padded;
+            c.ldw = kStrip;
+          }
+          gemv_rows<F, Dot>(c, rows, (cols + kLanes - 1) & ~(kLanes - 1));
+        }
       }
     }
-    for (int i = 0; i < rows; ++i)
-      memcpy(a.out + (m0 + i) * a.n + nb, acc + i * kStrip, cols * sizeof(float));
+    for (int s = 0; s < strips; ++s) {
+      const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+      for (int i = 0; i < rows; ++i)
+        memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
+    }
   }
 }
 
 // ---------------------------------------------------------------------------
 // Tiled GEMM (more rows): dequantize a cache-sized tile once, then a
-// register-blocked fp32 micro-kernel reuses it for every row.
+// register-blocked micro-kernel reuses it for every row.
 
 // Dequantizes rows [k0, k0 + rows) x columns [nb, nb + 64) of B into an
 // fp32 tile with row stride 64 (columns past N are zero).
 template <int F>
 void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float* tile) {
   const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
-  alignas(32) int32_t words[kTileCols];
-  alignas(32) float scale[kTileCols], zero[kTileCols];
+  alignas(64) int32_t words[kTileCols];
+  alignas(64) float scale[kTileCols], zero[kTileCols];
   int64_t group = -1;
   for (int64_t r = k0 / 8; r < (k0 + rows) / 8; ++r) {
     const int64_t g = r * 8 / a.group_rows;
@@ -346,41 +521,59 @@ void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float
       src = words;
     }
     float* dst = tile + (r * 8 - k0) * kTileCols;
-    for (int q = 0; q < kTileCols / 8; ++q) {
-      const v8i w = prepare_words<F>(load8(src + 8 * q));
-      const v8f s = load8(scale + 8 * q);
-      const v8f z = F == kFormatUint4 ? load8(zero + 8 * q) : v8f{};
+    for (int q = 0; q < kTileCols / kLanes; ++q) {
+      const vi w = prepare_words<F>(load(src + kLanes * q));
+      const vf s = load(scale + kLanes * q);
+      const vf z = F == kFormatUint4 ? load(zero + kLanes * q) : vf{};
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
-        const v8f v = decode_nibble<F>(w, j);
-        store8(dst + j * kTileCols + 8 * q, F == kFormatUint4 ? (v - z) * s : v * s);
+        const vf v = decode_nibble<F>(w, j);
+        store(dst + j * kTileCols + kLanes * q, F == kFormatUint4 ? (v - z) * s : v * s);
       }
     }
   }
 }
 
-// acc[0:MR, col:col+16] += x[0:MR, k0:k0+rows] @ tile[:, col:col+16]
+// acc[0:MR, col:col+2*kLanes] += x[0:MR, k0:k0+rows] @ tile[:, col:col+2*kLanes]
 // (acc row stride kTileCols, x row stride K).
 template <int MR>
 inline void micro_kernel(const float* x, int64_t ldx, int64_t rows, const float* tile, int col, float* acc) {
-  v8f c[MR][2];
+  vf c[MR][2];
   for (int i = 0; i < MR; ++i) {
-    c[i][0] = load8(acc + i * kTileCols + col);
-    c[i][1] = load8(acc + i * kTileCols + col + 8);
+    c[i][0] = load(acc + i * kTileCols + col);
+    c[i][1] = load(acc + i * kTileCols + col + kLanes);
   }
   for (int64_t k = 0; k < rows; ++k) {
-    const v8f b0 = load8(tile + k * kTileCols + col), b1 = load8(tile + k * kTileCols + col + 8);
+    const vf b0 = load(tile + k * kTileCols + col), b1 = load(tile + k * kTileCols + col + kLanes);
     for (int i = 0; i < MR; ++i) {
-      const v8f xs = splat(x[i * ldx + k]);
+      const vf xs = splat(x[i * ldx + k]);
       c[i][0] = fmadd(xs, b0, c[i][0]);
       c[i][1] = fmadd(xs, b1, c[i][1]);
     }
   }
   for (int i = 0; i < MR; ++i) {
-    store8(acc + i * kTileCols + col, c[i][0]);
-    store8(acc + i * kTileCols + col + 8, c[i][1]);
+    store(acc + i * kTileCols + col, c[i][0]);
+    store(acc + i * kTileCols + col + kLanes, c[i][1]);
   }
 }
+
+// Rows per micro-kernel call: 6 x 2 vectors use 12 of AVX2's 16 registers,
+// 12 x 2 use 24 of AVX-512's 32.
+constexpr int kMicroRows = MARLIN_KERNEL_AVX512 ? 12 : 6;
+
+// Calls body.template operator()<MR>() for MR = rows (1..kMicroRows).
+#define MARLIN_ROWS_CASE(MR) \
+  case MR: body.template operator()<(MR <= kMicroRows ? MR : 1)>(); break;
+template <class Body>
+inline void with_rows(int rows, Body&& body) {
+  switch (rows) {
+    MARLIN_ROWS_CASE(1) MARLIN_ROWS_CASE(2) MARLIN_ROWS_CASE(3) MARLIN_ROWS_CASE(4) MARLIN_ROWS_CASE(5)
+    MARLIN_ROWS_CASE(6) MARLIN_ROWS_CASE(7) MARLIN_ROWS_CASE(8) MARLIN_ROWS_CASE(9) MARLIN_ROWS_CASE(10)
+    MARLIN_ROWS_CASE(11) MARLIN_ROWS_CASE(12)
+    default: break;
+  }
+}
+#undef MARLIN_ROWS_CASE
 
 template <int F>
 void gemm_tile_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
@@ -390,21 +583,14 @@ void gemm_tile_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float
   for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
     const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
     dequant_tile<F>(a, k0, rows, nb, tile);
-    // Column slices outer: one 16-column slice of the tile (16 KiB) stays in
-    // L1 while every row block streams past it. 6x16 uses 12 of 16 registers.
-    for (int col = 0; col < kTileCols; col += 16) {
-      int64_t m = m0;
-      for (; m + 6 <= m1; m += 6)
-        micro_kernel<6>(a.x + m * a.k + k0, a.k, rows, tile, col, acc + (m - m0) * kTileCols);
-      const float* x = a.x + m * a.k + k0;
-      float* c = acc + (m - m0) * kTileCols;
-      switch (m1 - m) {
-        case 5: micro_kernel<5>(x, a.k, rows, tile, col, c); break;
-        case 4: micro_kernel<4>(x, a.k, rows, tile, col, c); break;
-        case 3: micro_kernel<3>(x, a.k, rows, tile, col, c); break;
-        case 2: micro_kernel<2>(x, a.k, rows, tile, col, c); break;
-        case 1: micro_kernel<1>(x, a.k, rows, tile, col, c); break;
-        default: break;
+    // Column slices outer: one slice of the tile (16 or 32 KiB) stays in L1
+    // while every row block streams past it.
+    for (int col = 0; col < kTileCols; col += 2 * kLanes) {
+      for (int64_t m = m0; m < m1; m += kMicroRows) {
+        const float* x = a.x + m * a.k + k0;
+        float* c = acc + (m - m0) * kTileCols;
+        with_rows(int(m1 - m < kMicroRows ? m1 - m : kMicroRows),
+                  [&]<int MR>() { micro_kernel<MR>(x, a.k, rows, tile, col, c); });
       }
     }
   }
@@ -413,27 +599,142 @@ void gemm_tile_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float
     memcpy(a.out + m * a.n + nb, acc + (m - m0) * kTileCols, cols * sizeof(float));
 }
 
-}  // namespace
+#if MARLIN_KERNEL_BF16_DOT
+// bf16 x: the tile holds bf16 pairs of the codes' values (no scale), pair
+// row q = K rows 2q, 2q + 1; the micro-kernel sums one group segment in
+// registers and applies the scale (and zero) once per segment.
 
-// The format is dispatched once here so the inner loops are branch-free.
-void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  for (int64_t m = m0; m < m1; m += kMaxRows) {
-    const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
-    switch (a.format) {
-      case kFormatFp4: gemv_impl<kFormatFp4>(a, m, e, n0, n1); break;
-      case kFormatInt4: gemv_impl<kFormatInt4>(a, m, e, n0, n1); break;
-      default: gemv_impl<kFormatUint4>(a, m, e, n0, n1); break;
+constexpr int kDotCols = MARLIN_KERNEL_AVX512 ? 64 : 16;  // columns per micro-kernel call
+constexpr int kDotVectors = kDotCols / kLanes;
+constexpr int kDotRows = MARLIN_KERNEL_AVX512 ? 6 : 4;
+
+// Tile rows [k0, k0 + rows) x 64 columns: (rows / 2) x 64 pairs.
+template <int F>
+void dequant_pairs_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float* tile) {
+  const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
+  alignas(64) int32_t words[kTileCols];
+  for (int64_t r = k0 / 8; r < (k0 + rows) / 8; ++r) {
+    const int32_t* src = a.packed + r * a.n + nb;
+    if (cols < kTileCols) {
+      copy_words(words, src, cols, kTileCols);
+      src = words;
+    }
+    float* dst = tile + (r * 8 - k0) / 2 * kTileCols;
+    for (int q = 0; q < kTileCols / kLanes; ++q) {
+      const vi w = prepare_words<F>(load(src + kLanes * q));
+      for (int p = 0; p < 4; ++p) store(dst + p * kTileCols + kLanes * q, decode_pair<F>(w, p));
     }
   }
 }
 
+// acc[0:MR, col:col+kDotCols] += scale * (x[0:MR, segment] @ tile[pairs, col:...]), and for
+// uint4 once per group (xsum set: x's sums over the group, row stride ldxsum) - scale * zero * xsum.
+template <int F, int MR>
+inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float* tile, int col,
+                      const float* scale, const float* zero, const float* xsum, int64_t ldxsum, float* acc) {
+  vf p[MR][kDotVectors];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kDotVectors; ++v) p[i][v] = vf{};
+  for (int64_t q = 0; q < pairs; ++q) {
+    vf b[kDotVectors];
+    for (int v = 0; v < kDotVectors; ++v) b[v] = load(tile + q * kTileCols + col + kLanes * v);
+    for (int i = 0; i < MR; ++i) {
+      const vf xs = splat_bits(x + i * ldx + 2 * q);
+      for (int v = 0; v < kDotVectors; ++v) p[i][v] = dot_pairs(p[i][v], b[v], xs);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int v = 0; v < kDotVectors; ++v) {
+      const int o = col + kLanes * v;
+      vf sum = p[i][v];
+      if (F == kFormatUint4 && xsum) sum -= load(zero + o) * xsum[i * ldxsum];
+      store(acc + i * kTileCols + o, fmadd(load(scale + o), sum, load(acc + i * kTileCols + o)));
+    }
+  }
+}
+
+template <int F>
+void gemm_tile_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+  float* tile = scratch;
+  float* acc = scratch + kTileRows * kTileCols;
+  const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
+  alignas(64) float scale[kTileCols], zero[kTileCols];
+  memset(acc, 0, (m1 - m0) * kTileCols * sizeof(float));
+  for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
+    const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
+    dequant_pairs_tile<F>(a, k0, rows, nb, tile);
+    for (int64_t s0 = k0; s0 < k0 + rows;) {
+      const int64_t g = s0 / a.group_rows;
+      const int64_t s1 = (g + 1) * a.group_rows < k0 + rows ? (g + 1) * a.group_rows : k0 + rows;
+      copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
+      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
+      const float* pairs = tile + (s0 - k0) / 2 * kTileCols;
+      for (int64_t m = m0; m < m1;) {
+        const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
+        const int mr = int((left + blocks - 1) / blocks);
+        const uint16_t* x = a.x_bf16 + m * a.k + s0;
+        const float* xsum = F == kFormatUint4 && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
+        float* c = acc + (m - m0) * kTileCols;
+        for (int col = 0; col < kTileCols; col += kDotCols) {
+          switch (mr) {
+#define MARLIN_MICRO_DOT(MR) micro_dot<F, MR>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, a.groups, c)
+            case 1: MARLIN_MICRO_DOT(1); break;
+            case 2: MARLIN_MICRO_DOT(2); break;
+            case 3: MARLIN_MICRO_DOT(3); break;
+            case 4: MARLIN_MICRO_DOT(4); break;
+            case 5: MARLIN_MICRO_DOT(5); break;
+            default: MARLIN_MICRO_DOT(6); break;
+#undef MARLIN_MICRO_DOT
+          }
+        }
+        m += mr;
+      }
+      s0 = s1;
+    }
+  }
+  for (int64_t m = m0; m < m1; ++m)
+    memcpy(a.out + m * a.n + nb, acc + (m - m0) * kTileCols, cols * sizeof(float));
+}
+#endif  // MARLIN_KERNEL_BF16_DOT
+
+// The format (and x's type) is dispatched once here so the inner loops are branch-free.
+template <int F>
+void gemv_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  for (int64_t m = m0; m < m1; m += kMaxRows) {
+    const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
+#if MARLIN_KERNEL_BF16_DOT
+    if (a.x_bf16) {
+      gemv_impl<F, true>(a, m, e, n0, n1);
+      continue;
+    }
+#endif
+    gemv_impl<F, false>(a, m, e, n0, n1);
+  }
+}
+
+template <int F>
+void gemm_tile_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+#if MARLIN_KERNEL_BF16_DOT
+  if (a.x_bf16) return gemm_tile_dot<F>(a, m0, m1, nb, scratch);
+#endif
+  gemm_tile_impl<F>(a, m0, m1, nb, scratch);
+}
+
+void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (a.format) {
+    case kFormatFp4: gemv_format<kFormatFp4>(a, m0, m1, n0, n1); break;
+    case kFormatInt4: gemv_format<kFormatInt4>(a, m0, m1, n0, n1); break;
+    default: gemv_format<kFormatUint4>(a, m0, m1, n0, n1); break;
+  }
+}
+
 // out[m0:m1, nb:nb+64] = x @ B for one column tile; `scratch` holds
-// kTileRows * 64 + (m1 - m0) * 64 floats.
+// gemm_scratch_floats(m1 - m0) floats.
 void gemm_tile(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
   switch (a.format) {
-    case kFormatFp4: gemm_tile_impl<kFormatFp4>(a, m0, m1, nb, scratch); break;
-    case kFormatInt4: gemm_tile_impl<kFormatInt4>(a, m0, m1, nb, scratch); break;
-    default: gemm_tile_impl<kFormatUint4>(a, m0, m1, nb, scratch); break;
+    case kFormatFp4: gemm_tile_format<kFormatFp4>(a, m0, m1, nb, scratch); break;
+    case kFormatInt4: gemm_tile_format<kFormatInt4>(a, m0, m1, nb, scratch); break;
+    default: gemm_tile_format<kFormatUint4>(a, m0, m1, nb, scratch); break;
   }
 }
 
@@ -444,6 +745,10 @@ void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, floa
     default: dequant_tile<kFormatUint4>(a, k0, k1 - k0, nb, tile); break;
   }
 }
+
+}  // namespace
+
+extern const CpuKernels kernels = {MARLIN_KERNEL_NAME, gemv, gemm_tile, dequantize_rows, bool(MARLIN_KERNEL_BF16_DOT)};
 
 }  // namespace MARLIN_KERNEL_NS
 }  // namespace cpu

@@ -8,25 +8,18 @@
 #include <string>
 
 #include "core/checks.h"
-#include "cpu/kernel_args.h"
+#include "cpu/kernel_builds.h"
 
 namespace marlin {
 namespace cpu {
 namespace {
 
-// TORCH_MARLIN_CPU_KERNELS=generic forces the portable build, which is what
-// CPUs without AVX2 (and aarch64) run; the tests use it to check that build.
-bool use_avx2() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  static const bool supported = [] {
-    const char* forced = std::getenv("TORCH_MARLIN_CPU_KERNELS");
-    if (forced && std::string(forced) == "generic") return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return supported;
-#else
-  return false;
-#endif
+// The kernel build for this CPU (kernel_builds.h), chosen once;
+// TORCH_MARLIN_CPU_KERNELS=<build> forces one (the tests check every build).
+const CpuKernels& kernels() {
+  static const KernelSelection selected = select_kernel_build(std::getenv("TORCH_MARLIN_CPU_KERNELS"));
+  TORCH_CHECK(selected.kernels, selected.error);
+  return *selected.kernels;
 }
 
 void check_cpu(const at::Tensor& t, const char* name) {
@@ -54,28 +47,32 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   check_gemm_inputs(x, bias, packed, s);
   check_cpu(packed, "packed");
 
+  const CpuKernels& kern = kernels();
+  // Builds with bf16 dot products take bf16 x as it is; the others take fp32.
+  const bool bf16_x = kern.bf16_x && x.scalar_type() == at::kBFloat16;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = s.n;
-  const at::Tensor x2 = x.reshape({-1, s.k}).to(at::kFloat).contiguous();
+  const at::Tensor x2 = bf16_x ? x.reshape({-1, s.k}).contiguous() : x.reshape({-1, s.k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));
   if (m > 0) {
     GemmArgs a = make_args(packed, scales, zeros, s);
-    a.x = x2.data_ptr<float>();
+    if (bf16_x)
+      a.x_bf16 = reinterpret_cast<const uint16_t*>(x2.data_ptr<at::BFloat16>());
+    else
+      a.x = x2.data_ptr<float>();
     a.out = out.data_ptr<float>();
     a.m = m;
-    const bool avx2 = use_avx2();
+    // uint4's zero point is applied per group, as zero * sum of x over the group.
+    at::Tensor xsum;
+    if (has_zeros(s.format)) {
+      xsum = x2.view({m, s.groups, s.group_rows}).sum(-1, false, at::kFloat).contiguous();
+      a.xsum = xsum.data_ptr<float>();
+    }
     if (m <= kGemvMaxRows) {
-      // uint4's zero point is applied per group, as zero * sum of x over the group.
-      at::Tensor xsum;
-      if (has_zeros(s.format)) {
-        xsum = x2.view({m, s.groups, s.group_rows}).sum(-1).contiguous();
-        a.xsum = xsum.data_ptr<float>();
-      }
       const int64_t blocks = (s.n + kGemvBlockCols - 1) / kGemvBlockCols;
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        const int64_t n0 = b0 * kGemvBlockCols, n1 = std::min(s.n, b1 * kGemvBlockCols);
-        avx2 ? avx2::gemv(a, 0, m, n0, n1) : generic::gemv(a, 0, m, n0, n1);
+        kern.gemv(a, 0, m, b0 * kGemvBlockCols, std::min(s.n, b1 * kGemvBlockCols));
       });
     } else {
       // Work items: column tiles x row blocks; row blocks only split large M,
@@ -85,12 +82,11 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
       const int64_t rows_per_item = std::max<int64_t>(64, (m + want_row_blocks - 1) / want_row_blocks);
       const int64_t row_blocks = (m + rows_per_item - 1) / rows_per_item;
       at::parallel_for(0, col_tiles * row_blocks, 1, [&](int64_t i0, int64_t i1) {
-        std::unique_ptr<float[]> scratch(new float[(kGemmBlockRows + rows_per_item) * kGemmBlockCols]);
+        std::unique_ptr<float[]> scratch(new float[gemm_scratch_floats(rows_per_item)]);
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t nb = (i % col_tiles) * kGemmBlockCols;
-          const int64_t m0 = (i / col_tiles) * rows_per_item, m1 = std::min(m, m0 + rows_per_item);
-          avx2 ? avx2::gemm_tile(a, m0, m1, nb, scratch.get())
-               : generic::gemm_tile(a, m0, m1, nb, scratch.get());
+          const int64_t m0 = (i / col_tiles) * rows_per_item;
+          kern.gemm_tile(a, m0, std::min(m, m0 + rows_per_item), nb, scratch.get());
         }
       });
     }
@@ -111,15 +107,14 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& scales,
   GemmArgs a = make_args(packed, scales, zeros, s);
   const int64_t col_tiles = (s.n + kGemmBlockCols - 1) / kGemmBlockCols;
   const int64_t row_tiles = (s.k + kGemmBlockRows - 1) / kGemmBlockRows;
-  const bool avx2 = use_avx2();
+  const CpuKernels& kern = kernels();
   at::parallel_for(0, col_tiles * row_tiles, 1, [&](int64_t i0, int64_t i1) {
     std::unique_ptr<float[]> tile(new float[kGemmBlockRows * kGemmBlockCols]);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t nb = (i % col_tiles) * kGemmBlockCols, k0 = (i / col_tiles) * kGemmBlockRows;
       const int64_t k1 = std::min(s.k, k0 + kGemmBlockRows);
       const int64_t cols = std::min(kGemmBlockCols, s.n - nb);
-      avx2 ? avx2::dequantize_rows(a, k0, k1, nb, tile.get())
-           : generic::dequantize_rows(a, k0, k1, nb, tile.get());
+      kern.dequantize_rows(a, k0, k1, nb, tile.get());
       float* dst = out.data_ptr<float>();
       for (int64_t k = k0; k < k1; ++k)
         std::memcpy(dst + k * s.n + nb, tile.get() + (k - k0) * kGemmBlockCols, cols * sizeof(float));
@@ -128,12 +123,25 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& scales,
   return out.to(out_dtype);
 }
 
+// JSON: {"selected": build or null, "error": why none, "builds": {build: "" if
+// this CPU runs it, else why not}}; the tests and benchmarks report it.
+std::string cpu_kernels_info() {
+  const KernelSelection selected = select_kernel_build(std::getenv("TORCH_MARLIN_CPU_KERNELS"));
+  std::string builds;
+  for (const std::string& name : kernel_build_names())
+    builds += (builds.empty() ? "\"" : ", \"") + name + "\": \"" + unsupported_reason(name) + "\"";
+  const std::string name = selected.kernels ? "\"" + std::string(selected.kernels->name) + "\"" : "null";
+  return "{\"selected\": " + name + ", \"error\": \"" + selected.error + "\", \"builds\": {" + builds + "}}";
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(marlin, CPU, m) {
   m.impl("gemm", &gemm_cpu);
   m.impl("dequantize", &dequantize_cpu);
 }
+
+TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) { m.impl("_cpu_kernels", &cpu_kernels_info); }
 
 }  // namespace cpu
 }  // namespace marlin

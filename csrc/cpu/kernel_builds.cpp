@@ -1,0 +1,116 @@
+// Which kernel builds this CPU runs and which one the ops use. No torch
+// here: the standalone kernel test (tests/cpu_kernels) links this file too.
+#include "cpu/kernel_builds.h"
+
+#include <string.h>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#elif defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP2_BF16
+#define HWCAP2_BF16 (1 << 14)
+#endif
+#elif defined(__aarch64__) && defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
+namespace marlin {
+namespace cpu {
+namespace {
+
+struct Build {
+  const char* name;
+  const CpuKernels* kernels;
+  const char* features;  // space-separated CPU features it needs
+};
+
+// Best first; the automatic choice is the first one this CPU runs.
+const Build kBuilds[] = {
+    {"avx512_bf16", &avx512_bf16::kernels, "avx512f avx512bw avx512vl avx512dq avx512bf16 avx512vbmi fma f16c"},
+    {"avx512", &avx512::kernels, "avx512f avx512bw avx512vl avx512dq fma f16c"},
+    {"avx2", &avx2::kernels, "avx2 fma f16c"},
+    {"neon_bf16", &neon_bf16::kernels, "bf16"},
+    {"generic", &generic::kernels, ""},
+};
+
+bool cpu_has(const std::string& feature) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // __builtin_cpu_supports needs literal names; it also checks that the OS
+  // saves the AVX/AVX-512 registers.
+  __builtin_cpu_init();
+#define MARLIN_FEATURE(name) \
+  if (feature == #name) return __builtin_cpu_supports(#name);
+  MARLIN_FEATURE(avx512f) MARLIN_FEATURE(avx512bw) MARLIN_FEATURE(avx512vl) MARLIN_FEATURE(avx512dq)
+  MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
+#undef MARLIN_FEATURE
+  if (feature == "f16c") {  // not a name Clang's __builtin_cpu_supports knows
+    unsigned eax, ebx, ecx, edx;
+    return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+  }
+#elif defined(__aarch64__) && defined(__linux__)
+  if (feature == "bf16") return getauxval(AT_HWCAP2) & HWCAP2_BF16;
+#elif defined(__aarch64__) && defined(__APPLE__)
+  if (feature == "bf16") {
+    int value = 0;
+    size_t size = sizeof(value);
+    return sysctlbyname("hw.optional.arm.FEAT_BF16", &value, &size, nullptr, 0) == 0 && value;
+  }
+#endif
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::string> kernel_build_names() {
+  std::vector<std::string> names;
+  for (const Build& b : kBuilds) names.push_back(b.name);
+  return names;
+}
+
+std::string unsupported_reason(const std::string& name) {
+  for (const Build& b : kBuilds) {
+    if (name != b.name) continue;
+    if (!b.kernels->name) return "not compiled for this architecture";
+    std::string missing, features = b.features;
+    for (size_t i = 0; i < features.size();) {
+      size_t j = features.find(' ', i);
+      if (j == std::string::npos) j = features.size();
+      const std::string f = features.substr(i, j - i);
+      if (!cpu_has(f)) missing += (missing.empty() ? "" : ", ") + f;
+      i = j + 1;
+    }
+    return missing.empty() ? "" : "this CPU lacks " + missing;
+  }
+  return "unknown build";
+}
+
+const CpuKernels* find_kernel_build(const std::string& name) {
+  for (const Build& b : kBuilds)
+    if (name == b.name && b.kernels->name) return b.kernels;
+  return nullptr;
+}
+
+KernelSelection select_kernel_build(const char* forced) {
+  std::string supported;
+  const CpuKernels* best = nullptr;
+  for (const Build& b : kBuilds) {
+    if (!unsupported_reason(b.name).empty()) continue;
+    supported += (supported.empty() ? "" : ", ") + std::string(b.name);
+    if (!best) best = b.kernels;
+  }
+  if (!forced || !*forced) return {best, ""};
+  const std::string name = forced;
+  std::string all;
+  for (const Build& b : kBuilds) all += (all.empty() ? "" : ", ") + std::string(b.name);
+  const std::string why = unsupported_reason(name);
+  if (why == "unknown build")
+    return {nullptr, "TORCH_MARLIN_CPU_KERNELS='" + name + "' is not a kernel build; expected one of " + all};
+  if (!why.empty())
+    return {nullptr, "TORCH_MARLIN_CPU_KERNELS='" + name + "' cannot run here (" + why +
+                         "); this machine runs: " + supported + " (unset the variable to choose automatically)"};
+  return {find_kernel_build(name), ""};
+}
+
+}  // namespace cpu
+}  // namespace marlin

@@ -1,0 +1,273 @@
+// Standalone check of the CPU kernel builds (csrc/cpu) against a float64
+// reference written from docs/FORMAT.md, without torch, so that builds for
+// other architectures can run under an emulator: tests/test_cpu_kernels.py
+// cross-compiles this for aarch64 and runs it under qemu-aarch64.
+//
+//   check_kernels [--expect-selected BUILD]
+//
+// Checks every build this CPU runs (gemv and gemm_tile on fp32 x, and on
+// bf16 x for builds with bf16 dot products; dequantize_rows exactly), prints
+// "PASS <build>" or "SKIP <build>: <why>" per build, and exits 1 on any
+// mismatch. --expect-selected also checks the automatic choice.
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu/kernel_builds.h"
+
+using namespace marlin::cpu;
+
+namespace {
+
+uint64_t rng_state = 0x9E3779B97F4A7C15ull;
+uint32_t next_u32() {  // xorshift64*
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return uint32_t((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+// fp16 bits -> double, from the field definitions (no shared code with the kernels).
+double half_value(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
+  const double magnitude = exp == 0 ? ldexp(mant, -24) : ldexp(1024 + mant, exp - 25);
+  return sign ? -magnitude : magnitude;
+}
+
+double bf16_value(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+// The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero.
+double code_value(int format, int code, double zero) {
+  if (format == kFormatFp4) {
+    const int e = (code >> 1) & 3, m = code & 1;
+    const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
+    return code & 8 ? -magnitude : magnitude;
+  }
+  return format == kFormatInt4 ? code - 8.0 : code - zero;
+}
+
+struct Case {
+  int format;
+  int64_t m, n, k, group_size;  // group_size -1: one group over K
+};
+
+struct Problem {
+  Case c;
+  int64_t groups, group_rows;
+  std::vector<int32_t> packed;
+  std::vector<uint16_t> scales, zeros, x_bf16;
+  std::vector<float> x;
+  std::vector<double> w;  // [k, n] dequantized
+
+  explicit Problem(const Case& cs) : c(cs) {
+    group_rows = c.group_size == -1 ? c.k : c.group_size;
+    groups = c.k / group_rows;
+    std::vector<int> codes(c.k * c.n);
+    for (int& q : codes) q = next_u32() & 15;
+    packed.assign(c.k / 8 * c.n, 0);
+    for (int64_t r = 0; r < c.k; ++r)
+      for (int64_t j = 0; j < c.n; ++j)
+        packed[r / 8 * c.n + j] = int32_t(uint32_t(packed[r / 8 * c.n + j]) | uint32_t(codes[r * c.n + j]) << (4 * (r % 8)));
+    // Scales: fp16 normals of either sign in [2^-10, 2); zeros: 0..15 with
+    // fraction bits, fp16 subnormals included.
+    for (int64_t i = 0; i < groups * c.n; ++i) {
+      scales.push_back(uint16_t((next_u32() & 0x8000) | ((5 + next_u32() % 11) << 10) | (next_u32() & 1023)));
+      zeros.push_back(uint16_t(next_u32() % 0x4B80));
+    }
+    for (int64_t i = 0; i < c.m * c.k; ++i) {
+      const float v = float(int32_t(next_u32() % 2000001) - 1000000) / 1e6f;
+      x.push_back(v);
+      uint32_t bits;
+      memcpy(&bits, &v, 4);
+      x_bf16.push_back(uint16_t(bits >> 16));  // truncated: any bf16 will do
+    }
+    w.resize(c.k * c.n);
+    for (int64_t r = 0; r < c.k; ++r) {
+      for (int64_t j = 0; j < c.n; ++j) {
+        const int64_t g = r / group_rows;
+        const int code = int((uint32_t(packed[r / 8 * c.n + j]) >> (4 * (r % 8))) & 15);
+        w[r * c.n + j] = code_value(c.format, code, half_value(zeros[g * c.n + j])) * half_value(scales[g * c.n + j]);
+      }
+    }
+  }
+
+  GemmArgs args() const {
+    GemmArgs a{};
+    a.packed = packed.data();
+    a.scales = scales.data();
+    a.zeros = c.format == kFormatUint4 ? zeros.data() : nullptr;
+    a.m = c.m;
+    a.k = c.k;
+    a.n = c.n;
+    a.groups = groups;
+    a.group_rows = group_rows;
+    a.format = c.format;
+    return a;
+  }
+};
+
+const char* format_name(int f) { return f == kFormatFp4 ? "fp4" : f == kFormatInt4 ? "int4" : "uint4"; }
+
+int failures = 0;
+
+void fail(const std::string& what) {
+  if (++failures <= 20) printf("FAIL %s\n", what.c_str());
+}
+
+// out (fp32) against x @ w in float64: fp32 accumulation error only.
+void check_gemm(const Problem& p, bool bf16, const std::vector<float>& out, const std::string& what) {
+  double worst = 0;
+  for (int64_t i = 0; i < p.c.m; ++i) {
+    for (int64_t j = 0; j < p.c.n; ++j) {
+      double ref = 0, magnitude = 0;
+      for (int64_t r = 0; r < p.c.k; ++r) {
+        const double xv = bf16 ? bf16_value(p.x_bf16[i * p.c.k + r]) : p.x[i * p.c.k + r];
+        ref += xv * p.w[r * p.c.n + j];
+        magnitude += fabs(xv * p.w[r * p.c.n + j]);
+      }
+      const double err = fabs(out[i * p.c.n + j] - ref), bound = 1e-6 * magnitude + 1e-30;
+      if (!(err <= bound) && err / bound > worst) worst = err / bound;
+    }
+  }
+  if (worst > 0) fail(what + ": error up to " + std::to_string(worst) + "x the bound");
+}
+
+// What ops.cpp passes: x, and for uint4 fp32 sums of x over each group.
+GemmArgs gemm_args(const Problem& p, bool bf16, std::vector<float>& xsum, std::vector<float>& out) {
+  GemmArgs a = p.args();
+  if (bf16) a.x_bf16 = p.x_bf16.data();
+  else a.x = p.x.data();
+  if (p.c.format == kFormatUint4) {
+    for (int64_t i = 0; i < p.c.m; ++i)
+      for (int64_t g = 0; g < p.groups; ++g) {
+        float s = 0;
+        for (int64_t r = g * p.group_rows; r < (g + 1) * p.group_rows; ++r)
+          s += bf16 ? float(bf16_value(p.x_bf16[i * p.c.k + r])) : p.x[i * p.c.k + r];
+        xsum.push_back(s);
+      }
+    a.xsum = xsum.data();
+  }
+  out.assign(p.c.m * p.c.n, NAN);
+  a.out = out.data();
+  return a;
+}
+
+void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
+  std::vector<float> out, xsum;
+  const GemmArgs a = gemm_args(p, bf16, xsum, out);
+  // Uneven column ranges: the kernel must handle any [n0, n1).
+  for (int64_t n0 = 0; n0 < p.c.n;) {
+    const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < p.c.n ? n0 + kGemvBlockCols * (1 + n0 % 2) : p.c.n;
+    kern.gemv(a, 0, p.c.m, n0, n1);
+    n0 = n1;
+  }
+  check_gemm(p, bf16, out, what + " gemv");
+}
+
+void run_gemm_tile(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
+  std::vector<float> out, xsum;
+  const GemmArgs a = gemm_args(p, bf16, xsum, out);
+  const int64_t rows = p.c.m > 20 ? 20 : p.c.m;  // several row blocks when M is large
+  std::vector<float> scratch(gemm_scratch_floats(rows));
+  for (int64_t m0 = 0; m0 < p.c.m; m0 += rows)
+    for (int64_t nb = 0; nb < p.c.n; nb += kGemmBlockCols)
+      kern.gemm_tile(a, m0, m0 + rows < p.c.m ? m0 + rows : p.c.m, nb, scratch.data());
+  check_gemm(p, bf16, out, what + " gemm_tile");
+}
+
+// fp4 / int4: exact (code value x fp16 scale fits fp32); uint4: q - zero rounded to fp32 once.
+void run_dequantize(const CpuKernels& kern, const Problem& p, const std::string& what) {
+  const GemmArgs a = p.args();
+  std::vector<float> tile(kGemmBlockRows * kGemmBlockCols);
+  double worst = 0;
+  for (int64_t k0 = 0; k0 < p.c.k; k0 += kGemmBlockRows) {
+    const int64_t k1 = k0 + kGemmBlockRows < p.c.k ? k0 + kGemmBlockRows : p.c.k;
+    for (int64_t nb = 0; nb < p.c.n; nb += kGemmBlockCols) {
+      kern.dequantize_rows(a, k0, k1, nb, tile.data());
+      for (int64_t r = k0; r < k1; ++r)
+        for (int64_t j = nb; j < p.c.n && j < nb + kGemmBlockCols; ++j) {
+          const double ref = p.w[r * p.c.n + j], got = tile[(r - k0) * kGemmBlockCols + j - nb];
+          const double bound = p.c.format == kFormatUint4 ? ldexp(fabs(ref), -23) : 0.0;
+          const double err = fabs(got - ref);
+          if (!(err <= bound)) worst = err > worst ? err : worst + 1;
+          if (p.c.format == kFormatFp4 && signbit(got) != signbit(ref)) worst += 1;  // -0 stays -0
+        }
+    }
+  }
+  if (worst > 0) fail(what + " dequantize_rows: not exact");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* expect_selected = nullptr;
+  for (int i = 1; i < argc; ++i)
+    if (!strcmp(argv[i], "--expect-selected") && i + 1 < argc) expect_selected = argv[++i];
+
+  // M: the gemv register blocks (1..8, 16) and the tile path (17, 33);
+  // N: partial strips and vector tails; K / group: every group size, groups
+  // longer than a gemv chunk or a gemm tile, and K not a multiple of the tile.
+  std::vector<Case> cases;
+  for (int f : {kFormatFp4, kFormatInt4, kFormatUint4}) {
+    cases.push_back({f, 1, 64, 256, 32});
+    cases.push_back({f, 2, 72, 512, 256});
+    cases.push_back({f, 3, 130, 256, 16});
+    cases.push_back({f, 5, 8, 384, 128});
+    cases.push_back({f, 8, 64, 512, 64});
+    cases.push_back({f, 13, 65, 200, -1});
+    cases.push_back({f, 16, 96, 768, 128});
+    cases.push_back({f, 17, 64, 1024, 256});
+    cases.push_back({f, 33, 33, 520, -1});
+  }
+  std::vector<Problem> problems;
+  for (const Case& c : cases) problems.emplace_back(c);
+
+  int checked = 0;
+  for (const std::string& name : kernel_build_names()) {
+    const std::string why = unsupported_reason(name);
+    if (!why.empty()) {
+      printf("SKIP %s: %s\n", name.c_str(), why.c_str());
+      continue;
+    }
+    const CpuKernels& kern = *find_kernel_build(name);
+    const int before = failures;
+    for (const Problem& p : problems) {
+      for (bool bf16 : {false, true}) {
+        if (bf16 && !kern.bf16_x) continue;
+        char what[160];
+        snprintf(what, sizeof(what), "%s %s x=%s m=%lld n=%lld k=%lld g=%lld", name.c_str(), format_name(p.c.format),
+                 bf16 ? "bf16" : "fp32", (long long)p.c.m, (long long)p.c.n, (long long)p.c.k,
+                 (long long)p.c.group_size);
+        run_gemv(kern, p, bf16, what);
+        run_gemm_tile(kern, p, bf16, what);
+      }
+      run_dequantize(kern, p, name + " " + format_name(p.c.format));
+    }
+    printf("%s %s (%zu cases%s)\n", failures == before ? "PASS" : "FAIL", name.c_str(), problems.size(),
+           kern.bf16_x ? ", fp32 and bf16 x" : ", fp32 x");
+    ++checked;
+  }
+
+  const KernelSelection selected = select_kernel_build(nullptr);
+  printf("selected: %s\n", selected.kernels ? selected.kernels->name : selected.error.c_str());
+  if (expect_selected && (!selected.kernels || strcmp(selected.kernels->name, expect_selected)))
+    fail(std::string("automatic choice is not ") + expect_selected);
+  // Forcing a build this CPU cannot run is an error, not a crash.
+  for (const std::string& name : kernel_build_names())
+    if (!unsupported_reason(name).empty() && !select_kernel_build(name.c_str()).error.size())
+      fail("forcing " + name + " gave no error");
+  if (!select_kernel_build("no-such-build").error.size()) fail("an unknown build name gave no error");
+
+  if (!checked) fail("no build ran");
+  printf("%s\n", failures ? "FAILED" : "OK");
+  return failures ? 1 : 0;
+}
