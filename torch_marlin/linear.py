@@ -30,22 +30,17 @@ def linear_weight(weight: torch.Tensor, conv1d: bool = False) -> torch.Tensor:
     return weight.t() if conv1d else weight
 
 
-class MarlinLinear(nn.Module):
-    """y = x @ W^T + b with W stored as packed 4-bit codes plus group scales.
+class QuantizedModule(nn.Module):
+    """Base of the modules holding one quantized weight of a layout class: its buffers
+    are the layout's tensors, `quantized_weight()` gives the layout object, `.half()` and
+    `.to(dtype)` leave fp16 metadata alone, and the state_dict carries the layout
+    descriptor (`_extra_state`) so that loading another layout, format, group size or
+    shape is refused instead of computing garbage."""
 
-    Input dtype (float16, bfloat16 or float32) selects the compute dtype.
-    Weights are frozen buffers; gradients flow to the input (and to the bias
-    if it requires grad), so adapters such as LoRA train on top.
+    layout: Type[QuantizedLayout]
 
-    `layout` is the weight layout class (torch_marlin/layouts/; default the
-    dense QuantizedWeight): the module's buffers are that layout's tensors and
-    its forward is that layout's op.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 weight_format: str = "fp4", group_size: int = 128,
-                 device=None, dtype=None, layout: Type[QuantizedLayout] = QuantizedWeight) -> None:
-        super().__init__()
+    def _init_weight(self, layout: Type[QuantizedLayout], in_features: int, out_features: int,
+                     weight_format: str, group_size: int, device=None, **shape) -> None:
         formats.check_weight_format(weight_format)
         formats.check_group_size(group_size)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
@@ -56,45 +51,13 @@ class MarlinLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight_format, self.group_size = weight_format, group_size
         self.layout = layout
-        empty = layout.empty(in_features, out_features, weight_format, group_size, device=device)
+        empty = layout.empty(in_features, out_features, weight_format, group_size, device=device, **shape)
         for name in layout.TENSORS:
             self.register_buffer(name, getattr(empty, name))
-        b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
-        self.register_buffer("bias", b)
 
-    @classmethod
-    def from_quantized(cls, qweight: QuantizedLayout, bias: Optional[torch.Tensor] = None) -> "MarlinLinear":
-        if not isinstance(qweight, QuantizedLayout):
-            raise TypeError(f"qweight must be a QuantizedWeight, got {type(qweight).__name__}")
-        if bias is not None and tuple(bias.shape) != (qweight.out_features,):
-            raise ValueError(f"bias must have shape [{qweight.out_features}], got {list(bias.shape)}")
-        tensors = qweight.tensors()
-        device = next(iter(tensors.values())).device
-        module = cls(qweight.in_features, qweight.out_features, bias is not None,
-                     qweight.weight_format, qweight.group_size, device=device,
-                     dtype=None if bias is None else bias.dtype, layout=type(qweight))
-        for name, tensor in tensors.items():
-            module._buffers[name].copy_(tensor)
-        if bias is not None:
-            module.bias.copy_(bias.detach())
-        return module
-
-    @classmethod
-    def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse") -> "MarlinLinear":
-        """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
-        stays on that device. This is the one path every float linear weight takes
-        (quantize_model, quantize-on-load)."""
-        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-        if linear.weight.device.type == "meta":
-            raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
-        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        qweight = quantize_weight(weight, weight_format, group_size, method)
-        bias = None if linear.bias is None else linear.bias.detach().cpu()
-        module = cls.from_quantized(qweight, bias)
-        module.quantization_error = qweight.relative_error
-        return module.to(linear.weight.device)
+    def _copy_weight(self, qweight: QuantizedLayout) -> None:
+        for name, tensor in qweight.tensors().items():
+            self._buffers[name].copy_(tensor)
 
     def quantized_weight(self) -> QuantizedLayout:
         """The weight as its layout object, sharing this module's buffers."""
@@ -103,12 +66,9 @@ class MarlinLinear(nn.Module):
                            in_features=self.in_features, out_features=self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight W [out_features, in_features] as a dense tensor (computed in fp32, on
-        the module's device, by the layout's dequantize op)."""
+        """The weight W [..., out_features, in_features] as a dense tensor (computed in fp32,
+        on the module's device, by the layout's dequantize op)."""
         return self.quantized_weight().weight(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return quantized_linear(x, self.quantized_weight(), self.bias)
 
     def _apply(self, fn, recurse=True):
         # .half()/.to(dtype) must not touch fp16 scales/zeros: apply fn to an
@@ -132,26 +92,88 @@ class MarlinLinear(nn.Module):
         return torch.tensor(self.quantized_weight().descriptor(), dtype=torch.int64)
 
     def set_extra_state(self, state) -> None:
+        cls = type(self).__name__
         mine = self.quantized_weight().descriptor()
         if not (isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() >= 4
                 and not state.dtype.is_floating_point):
-            raise ValueError(f"MarlinLinear state_dict '_extra_state' must be the layout descriptor "
+            raise ValueError(f"{cls} state_dict '_extra_state' must be the layout descriptor "
                              f"[layout, format, group_size, in_features, ...], got {state!r}")
         saved = [int(v) for v in state.tolist()]
         if saved == mine:
             return
         if layout_by_code(saved[0]) is None or not 0 <= saved[1] < len(formats.WEIGHT_FORMATS):
-            raise ValueError(f"MarlinLinear state_dict has layout {saved[0]} / format number {saved[1]}, which this "
+            raise ValueError(f"{cls} state_dict has layout {saved[0]} / format number {saved[1]}, which this "
                              f"torch_marlin does not know (it reads layouts {known_layout_codes()})")
-        raise ValueError(f"state_dict was saved from MarlinLinear({self.layout.describe_descriptor(saved)}); "
+        raise ValueError(f"state_dict was saved from {cls}({self.layout.describe_descriptor(saved)}); "
                          f"this module has {self.layout.describe_descriptor(mine)}: build it with the saved values")
 
+    def _weight_repr(self) -> str:
+        q = self.quantized_weight()
+        bits = q.nbytes * 8 / (q.packed.numel() // q.packed.shape[-2] * q.in_features)
+        return (f"weight_format={self.weight_format}, group_size={self.group_size}, "
+                f"bits_per_weight={bits:.2f}")
+
+
+class MarlinLinear(QuantizedModule):
+    """y = x @ W^T + b with W stored as packed 4-bit codes plus group scales.
+
+    Input dtype (float16, bfloat16 or float32) selects the compute dtype.
+    Weights are frozen buffers; gradients flow to the input (and to the bias
+    if it requires grad), so adapters such as LoRA train on top.
+
+    `layout` is the weight layout class (torch_marlin/layouts/; default the
+    dense QuantizedWeight): the module's buffers are that layout's tensors and
+    its forward is that layout's op.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 weight_format: str = "fp4", group_size: int = 128,
+                 device=None, dtype=None, layout: Type[QuantizedLayout] = QuantizedWeight) -> None:
+        super().__init__()
+        self._init_weight(layout, in_features, out_features, weight_format, group_size, device=device)
+        b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
+        self.register_buffer("bias", b)
+
+    @classmethod
+    def from_quantized(cls, qweight: QuantizedLayout, bias: Optional[torch.Tensor] = None) -> "MarlinLinear":
+        if not isinstance(qweight, QuantizedLayout):
+            raise TypeError(f"qweight must be a QuantizedWeight, got {type(qweight).__name__}")
+        if bias is not None and tuple(bias.shape) != (qweight.out_features,):
+            raise ValueError(f"bias must have shape [{qweight.out_features}], got {list(bias.shape)}")
+        tensors = qweight.tensors()
+        device = next(iter(tensors.values())).device
+        module = cls(qweight.in_features, qweight.out_features, bias is not None,
+                     qweight.weight_format, qweight.group_size, device=device,
+                     dtype=None if bias is None else bias.dtype, layout=type(qweight))
+        module._copy_weight(qweight)
+        if bias is not None:
+            module.bias.copy_(bias.detach())
+        return module
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
+                    method: str = "mse") -> "MarlinLinear":
+        """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
+        stays on that device. This is the one path every float linear weight takes
+        (quantize_model, quantize-on-load)."""
+        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        if linear.weight.device.type == "meta":
+            raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
+        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+        qweight = quantize_weight(weight, weight_format, group_size, method)
+        bias = None if linear.bias is None else linear.bias.detach().cpu()
+        module = cls.from_quantized(qweight, bias)
+        module.quantization_error = qweight.relative_error
+        return module.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return quantized_linear(x, self.quantized_weight(), self.bias)
+
     def extra_repr(self) -> str:
-        bits = self.quantized_weight().nbytes * 8 / (self.in_features * self.out_features)
         layout = "" if self.layout is QuantizedWeight else f", layout={self.layout.LAYOUT}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight_format={self.weight_format}, "
-                f"group_size={self.group_size}{layout}, bits_per_weight={bits:.2f}")
+                f"bias={self.bias is not None}, {self._weight_repr()}{layout}")
 
 
 class PermutedInputMarlinLinear(MarlinLinear):

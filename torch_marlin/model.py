@@ -1,4 +1,5 @@
-"""quantize_model: swap a model's linear layers for MarlinLinear in place."""
+"""quantize_model: swap a model's linear layers for MarlinLinear, and its
+transformers experts modules for MarlinExperts, in place."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Dict, Iterable, List, Optional, Union
 
 from torch import nn
 
+from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
 
 Patterns = Union[str, Iterable[str], None]
@@ -20,6 +22,9 @@ class QuantizationReport:
     bytes_before: int = 0  # float weight + bias bytes of the replaced layers
     bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
     relative_errors: Dict[str, float] = field(default_factory=dict)
+    experts_replaced: List[str] = field(default_factory=list)  # experts modules now MarlinExperts
+    experts_skipped: List[str] = field(default_factory=list)  # experts modules left in float (excluded)
+    experts_unsupported: Dict[str, str] = field(default_factory=dict)  # left in float: why
 
     @property
     def bytes_saved(self) -> int:
@@ -27,7 +32,11 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         mib = 1 / 2 ** 20
-        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
+        experts = ""
+        if self.experts_replaced or self.experts_skipped or self.experts_unsupported:
+            left = len(self.experts_skipped) + len(self.experts_unsupported)
+            experts = f" and {len(self.experts_replaced)} experts modules ({left} left in float)"
+        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float){experts}: "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
 
 
@@ -61,7 +70,10 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
                    method: str = "mse") -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
-    as a suffix; default all) and none of `exclude` with a MarlinLinear.
+    as a suffix; default all) and none of `exclude` with a MarlinLinear, and
+    every transformers experts module (3-D expert weight stacks) whose name
+    matches them with a MarlinExperts. Experts classes MarlinExperts cannot
+    stand in for stay in float, with a warning naming them.
     Returns a QuantizationReport (what was replaced, memory before/after)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -87,4 +99,29 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
         report.relative_errors[name] = quantized.quantization_error
         model.set_submodule(name, quantized)
         report.replaced.append(name)
+    _quantize_experts(model, weight_format, group_size, include_p, exclude_p, method, report)
     return report
+
+
+def _quantize_experts(model: nn.Module, weight_format: str, group_size: int, include_p: Optional[List[str]],
+                      exclude_p: List[str], method: str, report: QuantizationReport) -> None:
+    supported, unsupported = find_experts_modules(model)
+    for name, structure in supported.items():
+        if not (include_p is None or matches_any(name, include_p)) or matches_any(name, exclude_p):
+            report.experts_skipped.append(name)
+            continue
+        source = model.get_submodule(name)
+        try:
+            quantized = MarlinExperts.from_float(source, weight_format, group_size, method)
+        except UnsupportedExperts as e:
+            unsupported[name] = str(e)
+            continue
+        except ValueError as e:  # name the module
+            raise ValueError(f"{name}: {e}") from e
+        report.bytes_before += _nbytes(source)
+        report.bytes_after += sum(_nbytes(stack) for stack in quantized.stacks().values())
+        report.relative_errors[name] = quantized.quantization_error
+        model.set_submodule(name, quantized)
+        report.experts_replaced.append(name)
+    report.experts_unsupported.update(unsupported)
+    warn_unsupported(model, unsupported, stacklevel=4)

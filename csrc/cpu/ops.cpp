@@ -7,12 +7,10 @@
 #include <memory>
 #include <string>
 
-#include "core/checks.h"
-#include "cpu/kernel_args.h"
+#include "cpu/ops.h"
 
 namespace marlin {
 namespace cpu {
-namespace {
 
 // TORCH_MARLIN_CPU_KERNELS=generic forces the portable build, which is what
 // CPUs without AVX2 (and aarch64) run; the tests use it to check that build.
@@ -46,6 +44,8 @@ GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales,
   a.format = static_cast<int>(s.format);
   return a;
 }
+
+namespace {
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
