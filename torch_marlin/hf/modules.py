@@ -1,4 +1,5 @@
-"""Swapping a model's linear layers for MarlinLinear, for checkpoints and quantize-on-load."""
+"""Swapping a model's linear layers for MarlinLinear and its experts modules for
+MarlinExperts, for checkpoints and quantize-on-load."""
 
 from __future__ import annotations
 
@@ -6,10 +7,11 @@ from typing import Dict, Iterable, List, Optional
 
 from torch import nn
 
-from ..linear import MarlinLinear, PermutedInputMarlinLinear
+from ..experts import MarlinExperts, MarlinExpertsLinear, UnsupportedExperts
+from ..linear import MarlinLinear, PermutedInputMarlinLinear, QuantizedModule
 from ..model import quantize_model
 from .errors import CheckpointError
-from .layout import LinearSpec, layout_of_model
+from .layout import LinearSpec, ModelLayout, layout_of_model
 
 
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
@@ -17,7 +19,11 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
     MarlinLinear modules (on `device`, normally meta) ready to receive the tensors."""
     layout = layout_of_model(model)
     replaced = []
+    stacks = {name: entry for name, entry in table.items() if entry.get("layout") == "experts"}
+    replaced += _replace_experts(model, layout, stacks, device)
     for ckpt_name, entry in table.items():
+        if ckpt_name in stacks:
+            continue
         name = layout.resolve(ckpt_name, layout.linears)
         if name is None:
             raise CheckpointError(f"quantization_config lists {ckpt_name!r}, which is not a linear layer of "
@@ -33,6 +39,41 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
                                       entry["group_size"], device=device, dtype=dtype))
         replaced.append(name)
     _skip_parent_init(model, replaced)
+    return replaced
+
+
+def _replace_experts(model: nn.Module, layout: ModelLayout, stacks: Dict[str, dict], device) -> List[str]:
+    """Empty MarlinExperts for the experts modules whose stacks the table lists (all of them)."""
+    by_module: Dict[str, Dict[str, dict]] = {}
+    for ckpt_name, entry in stacks.items():
+        name = layout.resolve(ckpt_name, layout.stacks)
+        if name is None:
+            reason = next((r for m, r in layout.experts_unsupported.items() if ckpt_name.startswith(m + ".")), None)
+            raise CheckpointError(f"quantization_config lists expert stack {ckpt_name!r}, which is not an expert "
+                                  f"stack of {type(model).__name__}" + (f" ({reason})" if reason else ""))
+        spec = layout.stacks[name]
+        shape = (entry["num_experts"], entry["in_features"], entry["out_features"])
+        if shape != (spec.num_experts, spec.in_features, spec.out_features):
+            raise CheckpointError(f"{ckpt_name}: checkpoint has {shape[0]} experts of {shape[1]}x{shape[2]} but the "
+                                  f"model expects {spec.num_experts} of {spec.in_features}x{spec.out_features}")
+        by_module.setdefault(spec.experts_module, {})[spec.param] = entry
+    replaced = []
+    for name, entries in by_module.items():
+        source = model.get_submodule(name)
+        try:
+            module = MarlinExperts(source, device=device)
+        except UnsupportedExperts as e:
+            raise CheckpointError(f"{name}: {e}") from e
+        for param, _, _ in module.structure.stacks:
+            if param not in entries:
+                raise CheckpointError(f"quantization_config lists some stacks of {name} but not {param!r}")
+            entry, old = entries[param], getattr(module, param)
+            module.add_module(param, MarlinExpertsLinear(old.num_experts, old.in_features, old.out_features,
+                                                         old.bias is not None, entry["weight_format"],
+                                                         entry["group_size"], device=device,
+                                                         dtype=module.structure.dtype))
+        model.set_submodule(name, module)
+        replaced.append(name)
     return replaced
 
 
@@ -57,13 +98,18 @@ def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: in
         q = model.get_submodule(name)
         table[name] = {"weight_format": weight_format, "group_size": group_size,
                        "in_features": q.in_features, "out_features": q.out_features}
+    for name in report.experts_replaced:
+        for param, stack in model.get_submodule(name).stacks().items():
+            table[f"{name}.{param}"] = {"layout": "experts", "num_experts": stack.num_experts,
+                                        "weight_format": weight_format, "group_size": group_size,
+                                        "in_features": stack.in_features, "out_features": stack.out_features}
     return table
 
 
 def check_loaded(model: nn.Module) -> None:
     """Every MarlinLinear buffer must have received checkpoint data."""
     for name, module in model.named_modules():
-        if isinstance(module, MarlinLinear):
+        if isinstance(module, QuantizedModule):
             for buffer_name, buffer in module.named_buffers(recurse=False):
                 if buffer is not None and buffer.device.type == "meta":
                     raise CheckpointError(f"{name}.{buffer_name} is missing from the checkpoint")

@@ -3,7 +3,8 @@
 All three store E2M1 codes two per byte, low nibble first, along K of the
 nn.Linear weight [N, K]; the E2M1 code table equals torch_marlin's fp4.
 - MXFP4: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
-  holding E8M0 exponents, scale = 2^(e - 127).
+  holding E8M0 exponents, scale = 2^(e - 127); gpt-oss's expert stacks add a
+  leading expert dimension ([E, N, K/32, 16], [E, N, K/32]).
 - NVFP4 modelopt: `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn
   [N, K/16], `weight_scale_2` fp32 scalar; scale = weight_scale * weight_scale_2.
 - NVFP4 compressed-tensors: `weight_packed` uint8 [N, K/2], `weight_scale`
@@ -20,6 +21,7 @@ from typing import Dict
 
 import torch
 
+from ...layouts import QuantizedExperts
 from ...quantize import QuantizedWeight
 from ..errors import CheckpointError, UnsupportedQuantization
 from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
@@ -38,6 +40,10 @@ def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) 
 
 @dataclass
 class MXFP4Source(Importer):
+    """MXFP4 linear weights (`<module>.weight_blocks`) and expert stacks (gpt-oss's
+    `<experts>.<param>_blocks` [E, N, K/32, 16] with `_scales` [E, N, K/32] and an
+    optional `<param>_bias` [E, N]), each expert exactly like a linear weight."""
+
     QUANT_METHODS = ("mxfp4",)
     LABEL = "MXFP4"
 
@@ -45,31 +51,38 @@ class MXFP4Source(Importer):
     method: str = "mxfp4"
 
     def plan(self) -> Dict[str, LayerPlan]:
-        for key in self.source.keys():
-            if key.endswith("_blocks") and not key.endswith(".weight_blocks"):
-                raise UnsupportedQuantization(
-                    f"{key}: MXFP4 tensor of parameter {key[: -len('_blocks')].rpartition('.')[2]!r} (e.g. "
-                    f"gpt-oss MoE experts) is not a linear layer weight; only '<module>.weight_blocks' is supported")
-
         def tensors(module, key):
             if len(self.source.shape(key)) != 3:
-                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got "
-                                              f"{list(self.source.shape(key))} (3-D expert stacks unsupported)")
+                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got {list(self.source.shape(key))}")
             return [key, f"{module}.weight_scales"]
 
-        return self.plan_layers(".weight_blocks", "MXFP4", tensors)
+        plans = {}
+        for key in self.source.keys():
+            if key.endswith("_blocks") and not key.endswith(".weight_blocks"):
+                stack = key[: -len("_blocks")]
+                if len(self.source.shape(key)) != 4:
+                    raise UnsupportedQuantization(
+                        f"{key}: MXFP4 tensor of parameter {stack.rpartition('.')[2]!r} must be an expert stack "
+                        f"[E, N, K/32, 16], got {list(self.source.shape(key))}")
+                bias = f"{stack}_bias"
+                plans[stack] = LayerPlan([key, f"{stack}_scales"], bias if bias in self.source else None)
+        if any(key.endswith(".weight_blocks") for key in self.source.keys()) or not plans:
+            plans.update(self.plan_layers(".weight_blocks", "MXFP4", tensors))
+        return plans
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         blocks = self.require(plan.keys[0], torch.uint8)
-        n, nblocks, width = blocks.shape
+        *lead, nblocks, width = blocks.shape
         if width != 16:
             raise CheckpointError(f"{plan.keys[0]}: last dimension must be 16 bytes (32 values), got {width}")
-        exponents = self.require(plan.keys[1], torch.uint8, (n, nblocks)).to(torch.int32)
+        exponents = self.require(plan.keys[1], torch.uint8, (*lead, nblocks)).to(torch.int32)
         if (exponents == E8M0_NAN).any():
             raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
-        codes = unpack_uint8_pairs(blocks).reshape(n, nblocks * 32)
-        scales = torch.pow(2.0, (exponents - 127).to(torch.float64))
-        return ConvertedLayer(fp4_layer(codes, self.to_fp16_scales(scales, module), 32))
+        codes = unpack_uint8_pairs(blocks).reshape(*lead, nblocks * 32)  # [(E,) N, K]
+        scales = self.to_fp16_scales(torch.pow(2.0, (exponents - 127).to(torch.float64)), module)
+        if len(lead) == 1:
+            return ConvertedLayer(fp4_layer(codes, scales, 32))
+        return ConvertedLayer(QuantizedExperts.stack([fp4_layer(codes[e], scales[e], 32) for e in range(lead[0])]))
 
 
 @dataclass
