@@ -1,7 +1,9 @@
 """`torch-marlin` command line.
 
     torch-marlin convert SRC DST --format fp4|uint4|int4 --group-size N
-                 [--exclude PATTERN ...] [--dtype float16|bfloat16|float32]
+                 [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
+
+SRC is a model directory or a Hugging Face Hub repo id (torch_marlin/hf/hub.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Quantize a float model, or repack a quantized one ("
                                       + ", ".join(supported_sources())
                                       + "), into a torch_marlin checkpoint directory.")
-    conv.add_argument("src", help="source model directory (config.json + safetensors)")
+    conv.add_argument("src", help="source model directory (config.json + safetensors), or a Hugging Face Hub "
+                                  "repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
     conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS,
                       help="weight format for float sources (default fp4)")
@@ -44,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="maximum output shard size in MiB (default 2048)")
     conv.add_argument("--allow-pickle", action="store_true",
                       help="accept pytorch_model.bin weights (loaded with weights_only=True)")
+    conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -73,7 +77,8 @@ def _convert(args) -> int:
                               exclude=args.exclude, dtype=args.dtype, quantizer=args.quantizer,
                               overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                               quantize_lm_head=args.quantize_lm_head,
-                              max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress)
+                              max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
+                              revision=args.revision)
     except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR

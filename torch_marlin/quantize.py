@@ -59,10 +59,11 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
     zeros = torch.empty_like(scales) if formats.has_zeros(weight_format) else None
     err2 = norm2 = 0.0
     # Row blocks of ~1M weights, converted to float32 one at a time: memory
-    # beyond the weight is its uint8 codes plus one block's scratch.
+    # beyond the weight is its uint8 codes plus one block's scratch. Contiguous,
+    # because a transposed view (GPT-2 Conv1D) makes torch.bucketize warn.
     rows = max(1, _ROW_CHUNK_ELEMENTS // kp)
     for r0 in range(0, n, rows):
-        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32)
+        block = weight.detach()[r0:r0 + rows].to(device="cpu", dtype=torch.float32).contiguous()
         if not torch.isfinite(block).all():
             raise ValueError("weight contains NaN or Inf")
         chunk = torch.nn.functional.pad(block, (0, kp - k)).view(-1, kp // gs, gs)

@@ -1,7 +1,9 @@
-"""MXFP4 (gpt-oss) and NVFP4 (modelopt, compressed-tensors) checkpoints, from their layouts.
+"""MXFP4 (gpt-oss, compressed-tensors) and NVFP4 (modelopt, compressed-tensors) checkpoints,
+from their layouts.
 
 All store E2M1 codes two per byte, low nibble = even element, along K.
-MXFP4: `_blocks` [N, K/32, 16] + E8M0 `_scales` (2^(e-127)) per 32.
+MXFP4: E8M0 exponents e (scale 2^(e-127)) per 32 values; gpt-oss `_blocks` [N, K/32, 16] +
+`_scales`, compressed-tensors `mxfp4-pack-quantized` `weight_packed` [N, K/2] + `weight_scale`.
 NVFP4: fp8 e4m3 scale per 16 times a per-tensor fp32 scale (modelopt
 `weight_scale_2`), or divided by it (compressed-tensors `weight_global_scale`).
 """
@@ -42,69 +44,144 @@ def _exponent(block_absmax):
     return min(254, max(0, math.ceil(math.log2(max(block_absmax, 1e-30) / 6)) + 127))
 
 
-def _mxfp4_layer(weight):
+# Each flavor's tensor names (E2M1 bytes, E8M0 exponents) and config.json quantization_config.
+_MXFP4_NAMES = {"gpt-oss": ("weight_blocks", "weight_scales"),
+                "compressed-tensors": ("weight_packed", "weight_scale")}
+_MXFP4_WEIGHTS = {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                  "dynamic": False, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+
+
+def _ct_mxfp4_config(weights=_MXFP4_WEIGHTS, activations=None):
+    """llm-compressor's MXFP4A16 preset (activations=None) or MXFP4 (dynamic FP4 activations)."""
+    return {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations}}}
+
+
+_MXFP4_CONFIGS = {"gpt-oss": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]},
+                  "compressed-tensors": _ct_mxfp4_config()}
+_MXFP4_ACTIVATIONS = dict(_MXFP4_WEIGHTS, dynamic=True)
+
+
+def _mxfp4_layer(weight, flavor="gpt-oss"):
+    """gpt-oss: blocks [N, K/32, 16]; compressed-tensors: the row's pairs packed flat, [N, K/2]."""
     n, k = weight.shape
     w = weight.double().reshape(n, k // 32, 32)
     exps = [[_exponent(float(b.abs().max())) for b in row] for row in w]
     scale = torch.tensor(exps, dtype=torch.float64).sub(127).exp2()
     codes = _nearest_codes(w / scale.unsqueeze(-1))
-    blocks = [[_pack_pairs(codes[r][b]) for b in range(k // 32)] for r in range(n)]
-    tensors = {"weight_blocks": torch.tensor(blocks, dtype=torch.uint8),
-               "weight_scales": torch.tensor(exps, dtype=torch.uint8)}
-    return tensors, _mxfp4_dequantize(tensors)
+    if flavor == "gpt-oss":
+        packed = [[_pack_pairs(codes[r][b]) for b in range(k // 32)] for r in range(n)]
+    else:
+        packed = [_pack_pairs(sum(codes[r], [])) for r in range(n)]
+    values, scales = _MXFP4_NAMES[flavor]
+    tensors = {values: torch.tensor(packed, dtype=torch.uint8), scales: torch.tensor(exps, dtype=torch.uint8)}
+    return tensors, _mxfp4_dequantize(tensors, flavor)
 
 
-def _mxfp4_dequantize(t):
-    """Per element: value k of row n is in block k // 32, byte (k % 32) // 2, nibble k % 2."""
-    blocks, exps = t["weight_blocks"].tolist(), t["weight_scales"].tolist()
-    n, nb = len(blocks), len(blocks[0])
-    w = torch.empty(n, nb * 32, dtype=torch.float64)
+def _mxfp4_dequantize(t, flavor="gpt-oss"):
+    """Per element: E2M1(code) * 2^(e - 127); gpt-oss value k of row n is in block k // 32,
+    byte (k % 32) // 2, compressed-tensors in byte k // 2; nibble k % 2 (low first) for both."""
+    values, scales = _MXFP4_NAMES[flavor]
+    packed, exps = t[values].tolist(), t[scales].tolist()
+    n, k = len(exps), len(exps[0]) * 32
+    w = torch.empty(n, k, dtype=torch.float64)
     for r in range(n):
-        for k in range(nb * 32):
-            code = _unpack_pair(blocks[r][k // 32][(k % 32) // 2], k % 2)
-            w[r, k] = E2M1[code] * 2.0 ** (exps[r][k // 32] - 127)
+        for kk in range(k):
+            byte = packed[r][kk // 32][(kk % 32) // 2] if flavor == "gpt-oss" else packed[r][kk // 2]
+            w[r, kk] = E2M1[_unpack_pair(byte, kk % 2)] * 2.0 ** (exps[r][kk // 32] - 127)
     return w
 
 
-def test_mxfp4_import_is_exact(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flavor,config", [
+    ("gpt-oss", _MXFP4_CONFIGS["gpt-oss"]),
+    ("compressed-tensors", _ct_mxfp4_config()),
+    ("compressed-tensors", _ct_mxfp4_config(activations=_MXFP4_ACTIVATIONS)),
+], ids=["gpt-oss", "compressed-tensors-MXFP4A16", "compressed-tensors-MXFP4"])
+def test_mxfp4_import_is_exact(tiny_model_dir, tmp_path, flavor, config):
     float_dir = tiny_model_dir("llama")
     src, dst = str(tmp_path / "mx"), str(tmp_path / "q")
-    refs = write_quantized_model(float_dir, src, lambda name, w: _mxfp4_layer(w),
-                                 {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]})
+    refs = write_quantized_model(float_dir, src, lambda name, w: _mxfp4_layer(w, flavor), config)
     summary = convert(src, dst, progress=False)
-    assert summary.source_method == "mxfp4" and summary.notes == []
+    assert summary.source_method == config["quant_method"] and summary.notes == []
     assert summary.bits_per_weight == pytest.approx(4.5)
     modules = read_config(dst)["quantization_config"]["modules"]
     assert {(m["weight_format"], m["group_size"]) for m in modules.values()} == {("fp4", 32)}
     check_imported(dst, refs, float_dir)
 
 
-def test_mxfp4_exponent_beyond_fp16_is_an_error(tiny_model_dir, tmp_path):
-    src = str(tmp_path / "mx")
-
+def _with_exponents(flavor, **exponents):
+    """make_layer for write_quantized_model: row 0's first groups get the given exponents."""
     def layer(name, w):
-        tensors, ref = _mxfp4_layer(w)
-        tensors["weight_scales"][0, 0] = 127 + 16  # 2^16 > fp16 max
-        return tensors, ref
+        tensors, _ = _mxfp4_layer(w, flavor)
+        for group, e in exponents.items():
+            tensors[_MXFP4_NAMES[flavor][1]][0, int(group[1:])] = e
+        return tensors, _mxfp4_dequantize(tensors, flavor)
 
-    write_quantized_model(tiny_model_dir("llama"), src, layer, {"quant_method": "mxfp4"})
+    return layer
+
+
+@pytest.mark.parametrize("flavor", sorted(_MXFP4_NAMES))
+def test_mxfp4_exponents_in_the_fp16_range_are_exact(tiny_model_dir, tmp_path, flavor):
+    src, dst = str(tmp_path / "mx"), str(tmp_path / "q")
+    # 2^15 is fp16's largest power of two, 2^-24 its smallest subnormal.
+    refs = write_quantized_model(tiny_model_dir("llama"), src, _with_exponents(flavor, g0=127 + 15, g1=127 - 24),
+                                 _MXFP4_CONFIGS[flavor])
+    assert convert(src, dst, progress=False).notes == []
+    model = from_pretrained(dst)
+    for name, ref in refs.items():
+        assert torch.equal(model.get_submodule(name).dequantize(torch.float64), ref)
+
+
+@pytest.mark.parametrize("flavor", sorted(_MXFP4_NAMES))
+def test_mxfp4_exponent_beyond_fp16_is_an_error(tiny_model_dir, tmp_path, flavor):
+    src = str(tmp_path / "mx")
+    write_quantized_model(tiny_model_dir("llama"), src, _with_exponents(flavor, g0=127 + 16),  # 2^16 > fp16 max
+                          _MXFP4_CONFIGS[flavor])
     with pytest.raises(CheckpointError, match="fp16 range"):
         convert(src, str(tmp_path / "q"), progress=False)
     assert not (tmp_path / "q").exists()
 
 
-def test_mxfp4_underflow_is_reported(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("flavor", sorted(_MXFP4_NAMES))
+def test_mxfp4_nan_exponent_is_an_error(tiny_model_dir, tmp_path, flavor):
+    src = str(tmp_path / "mx")
+    write_quantized_model(tiny_model_dir("llama"), src, _with_exponents(flavor, g1=255), _MXFP4_CONFIGS[flavor])
+    with pytest.raises(CheckpointError, match="NaN"):
+        convert(src, str(tmp_path / "q"), progress=False)
+
+
+@pytest.mark.parametrize("flavor", sorted(_MXFP4_NAMES))
+def test_mxfp4_underflow_is_reported(tiny_model_dir, tmp_path, flavor):
     src, dst = str(tmp_path / "mx"), str(tmp_path / "q")
-
-    def layer(name, w):
-        tensors, _ = _mxfp4_layer(w)
-        tensors["weight_scales"][0, 0] = 127 - 40  # 2^-40: below fp16's smallest subnormal
-        return tensors, _mxfp4_dequantize(tensors)
-
-    write_quantized_model(tiny_model_dir("llama"), src, layer, {"quant_method": "mxfp4"})
+    write_quantized_model(tiny_model_dir("llama"), src, _with_exponents(flavor, g0=127 - 40),  # below 2^-24
+                          _MXFP4_CONFIGS[flavor])
     with pytest.warns(UserWarning, match="underflow"):
         summary = convert(src, dst, progress=False)
     assert summary.notes and "underflow" in str(summary)
+
+
+@pytest.mark.parametrize("change", [{"group_size": 16}, {"type": "int"}, {"num_bits": 8}, {"symmetric": False}])
+def test_compressed_tensors_mxfp4_other_args_are_refused(tiny_model_dir, tmp_path, change):
+    src = str(tmp_path / "mx")
+    write_quantized_model(tiny_model_dir("llama"), src, lambda name, w: _mxfp4_layer(w, "compressed-tensors"),
+                          _ct_mxfp4_config(dict(_MXFP4_WEIGHTS, **change)))
+    with pytest.raises(CheckpointError, match="not symmetric FP4 group 32"):
+        convert(src, str(tmp_path / "q"), progress=False)
+
+
+def test_compressed_tensors_mxfp4_scale_shape_is_checked(tiny_model_dir, tmp_path):
+    src = str(tmp_path / "mx")
+
+    def layer(name, w):
+        tensors, ref = _mxfp4_layer(w, "compressed-tensors")
+        tensors["weight_scale"] = tensors["weight_scale"][:, :1].contiguous()
+        return tensors, ref
+
+    write_quantized_model(tiny_model_dir("llama"), src, layer, _ct_mxfp4_config())
+    with pytest.raises(CheckpointError, match="weight_scale.*shape"):
+        convert(src, str(tmp_path / "q"), progress=False)
 
 
 def test_mxfp4_expert_stacks_are_refused(tiny_model_dir, tmp_path):

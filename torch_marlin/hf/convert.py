@@ -28,8 +28,10 @@ from ..quantize import QuantizedWeight, quantizer_names
 from .checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
 from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization
+from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
 from .layout import describe_model, expert_parts
+from .modules import layout_state
 from .safetensors_io import ShardedWriter
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -78,9 +80,13 @@ class ConversionSummary:
 def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 128,
             exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
-            max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True) -> ConversionSummary:
+            max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
+            revision: Optional[str] = None) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
+    `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
+    resolved with huggingface_hub: downloaded when online, taken from the
+    Hub cache with HF_HUB_OFFLINE=1 (torch_marlin/hf/hub.py).
     weight_format/group_size/quantizer/exclude/quantize_lm_head apply to float
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
@@ -95,13 +101,17 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         exclude = [exclude]
     for name, value in (("src", src), ("dst", dst)):
         if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise ValueError(f"{name} must be a directory path, got {value!r}")
-    src, dst = os.path.abspath(os.fspath(src)), os.path.abspath(os.fspath(dst))
-    if dst == src or dst.startswith(src + os.sep):
-        raise ValueError(f"dst must not be src or inside it: {dst}")
-    if os.path.exists(dst) and not overwrite:
+            raise ValueError(f"{name} must be a directory path{' or a Hub repo id' if name == 'src' else ''}, "
+                             f"got {value!r}")
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst) and not overwrite:  # before anything is downloaded
         raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     start = time.time()
+    src = os.path.abspath(resolve_source(os.fspath(src), revision, allow_pickle, progress))
+    if dst == src or dst.startswith(src + os.sep):
+        raise ValueError(f"dst must not be src or inside it: {dst}")
     source = SourceCheckpoint(src, allow_pickle=allow_pickle)
     method, source_config = source_quantization(source)
     shapes = {key: source.shape(key) for key in source.keys()}
@@ -186,7 +196,6 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
         else:
             layer = importer.convert(module, plans[module])
         _check_against_layout(name, layer, layout)
-        _write_layer(name, layer, None if module in parts else plans[module].bias_key, source, writer, dtype)
         q = layer.qweight
         modules[name] = {"weight_format": q.weight_format, "group_size": q.group_size,
                          "in_features": q.in_features, "out_features": q.out_features}
@@ -194,6 +203,8 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
             modules[name].update(layout="experts", num_experts=q.num_experts)
         if layer.input_perm is not None:
             modules[name]["act_order"] = True
+        _write_layer(name, layer, modules[name], None if module in parts else plans[module].bias_key, source,
+                     writer, dtype)
         summary.layers_converted += 1
         summary.quantized_params += q.packed.numel() // q.packed.shape[-2] * q.in_features
         summary.quantized_bytes += q.nbytes
@@ -278,9 +289,11 @@ def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
                               f"but the config describes {spec.in_features}x{spec.out_features}")
 
 
-def _write_layer(module: str, layer: ConvertedLayer, bias_key: Optional[str], source: SourceCheckpoint,
-                 writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
+def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Optional[str],
+                 source: SourceCheckpoint, writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
+    """The layer's tensors under its module's state_dict names (MarlinLinear, MarlinExpertsLinear; docs/FORMAT.md)."""
     q = layer.qweight
+    writer.add(f"{module}._extra_state", layout_state(entry))
     writer.add(f"{module}.packed", q.packed)
     writer.add(f"{module}.scales", q.scales)
     if q.zeros is not None:

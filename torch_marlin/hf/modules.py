@@ -3,8 +3,10 @@ MarlinExperts, for checkpoints and quantize-on-load."""
 
 from __future__ import annotations
 
+import re
 from typing import Dict, Iterable, List, Optional
 
+import torch
 from torch import nn
 
 from ..experts import MarlinExperts, MarlinExpertsLinear, UnsupportedExperts
@@ -16,11 +18,12 @@ from .layout import LinearSpec, ModelLayout, layout_of_model
 
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:
     """Replace the linear layers named in a checkpoint's `modules` table by empty
-    MarlinLinear modules (on `device`, normally meta) ready to receive the tensors."""
+    MarlinLinear modules, and the experts modules whose stacks it lists by empty
+    MarlinExperts (on `device`, normally meta), ready to receive the tensors."""
     layout = layout_of_model(model)
-    replaced = []
     stacks = {name: entry for name, entry in table.items() if entry.get("layout") == "experts"}
-    replaced += _replace_experts(model, layout, stacks, device)
+    stack_modules = _replace_experts(model, layout, stacks, device)
+    replaced = []
     for ckpt_name, entry in table.items():
         if ckpt_name in stacks:
             continue
@@ -34,16 +37,17 @@ def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="
                                   f"but the model expects {spec.in_features}x{spec.out_features}")
         old = model.get_submodule(name)
         dtype = old.weight.dtype if old.weight.is_floating_point() else None
-        cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
-        model.set_submodule(name, cls(spec.in_features, spec.out_features, spec.bias, entry["weight_format"],
-                                      entry["group_size"], device=device, dtype=dtype))
+        model.set_submodule(name, empty_marlin(entry, spec.bias, device=device, dtype=dtype))
         replaced.append(name)
-    _skip_parent_init(model, replaced)
-    return replaced
+    experts = sorted({name.rpartition(".")[0] for name in stack_modules})
+    _skip_parent_init(model, replaced + experts)
+    _layout_state_may_be_absent(model, replaced + stack_modules)
+    return replaced + experts
 
 
 def _replace_experts(model: nn.Module, layout: ModelLayout, stacks: Dict[str, dict], device) -> List[str]:
-    """Empty MarlinExperts for the experts modules whose stacks the table lists (all of them)."""
+    """Empty MarlinExperts for the experts modules whose stacks the table lists (all of
+    them); returns the names of the stacks (MarlinExpertsLinear modules)."""
     by_module: Dict[str, Dict[str, dict]] = {}
     for ckpt_name, entry in stacks.items():
         name = layout.resolve(ckpt_name, layout.stacks)
@@ -59,22 +63,47 @@ def _replace_experts(model: nn.Module, layout: ModelLayout, stacks: Dict[str, di
         by_module.setdefault(spec.experts_module, {})[spec.param] = entry
     replaced = []
     for name, entries in by_module.items():
-        source = model.get_submodule(name)
         try:
-            module = MarlinExperts(source, device=device)
+            module = MarlinExperts(model.get_submodule(name), device=device)
         except UnsupportedExperts as e:
             raise CheckpointError(f"{name}: {e}") from e
         for param, _, _ in module.structure.stacks:
             if param not in entries:
                 raise CheckpointError(f"quantization_config lists some stacks of {name} but not {param!r}")
-            entry, old = entries[param], getattr(module, param)
-            module.add_module(param, MarlinExpertsLinear(old.num_experts, old.in_features, old.out_features,
-                                                         old.bias is not None, entry["weight_format"],
-                                                         entry["group_size"], device=device,
-                                                         dtype=module.structure.dtype))
+            module.add_module(param, empty_marlin(entries[param], module.structure.has_bias, device=device,
+                                                  dtype=module.structure.dtype))
+            replaced.append(f"{name}.{param}")
         model.set_submodule(name, module)
-        replaced.append(name)
     return replaced
+
+
+def empty_marlin(entry: dict, bias: bool = False, device="meta", dtype=None) -> QuantizedModule:
+    """The empty MarlinLinear (or MarlinExpertsLinear) that a `modules` table entry (config.py) describes."""
+    if entry.get("layout") == "experts":
+        return MarlinExpertsLinear(entry["num_experts"], entry["in_features"], entry["out_features"], bias,
+                                   entry["weight_format"], entry["group_size"], device=device, dtype=dtype)
+    cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
+    return cls(entry["in_features"], entry["out_features"], bias, entry["weight_format"], entry["group_size"],
+               device=device, dtype=dtype)
+
+
+def layout_state(entry: dict) -> torch.Tensor:
+    """The `_extra_state` (layout guard) of the module a `modules` entry describes: the
+    converter writes it next to the layer's tensors, so that loading the tensors into a module
+    built with another format, group size or number of experts fails as it does for a state_dict."""
+    return empty_marlin(entry).get_extra_state()
+
+
+def _layout_state_may_be_absent(model: nn.Module, replaced: List[str]) -> None:
+    """The modules were built from the config's table, which is authoritative; checkpoints
+    converted before `_extra_state` was written lack it. Tell transformers that its absence is
+    expected, so its load report does not list it as "MISSING, newly initialized". When present
+    it is loaded through QuantizedModule.set_extra_state, which raises on a layout mismatch."""
+    if not replaced:
+        return
+    pattern = "^(?:" + "|".join(re.escape(name) for name in replaced) + r")\._extra_state$"
+    model._keys_to_ignore_on_load_missing = set(getattr(model, "_keys_to_ignore_on_load_missing", None) or ()) | {
+        pattern}
 
 
 def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:

@@ -1,4 +1,5 @@
-"""compressed-tensors `pack-quantized` int4 checkpoints (llm-compressor).
+"""compressed-tensors checkpoints (llm-compressor): `pack-quantized` int4 here,
+`nvfp4-pack-quantized` and `mxfp4-pack-quantized` FP4 in fp4.py.
 
 Layout per layer `prefix`: weight_packed int32 [N, ceil(K/8)] (nibble i of
 word [n, c] is column k = 8c+i, holding q + 8 for the signed value q),
@@ -20,7 +21,7 @@ import torch
 from ...formats import unpack_codes
 from ..errors import CheckpointError, UnsupportedQuantization
 from .base import ConvertedLayer, Importer, LayerPlan, act_order_permutation, codes_to_layer, unpack_int32_cols
-from .fp4 import NVFP4Source
+from .fp4 import MXFP4Source, NVFP4Source
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -48,6 +49,7 @@ class CompressedTensorsSource(Importer):
         self.ignore = list(self.config.get("ignore") or [])
         self.default_format = self.config.get("format")
         self._nvfp4 = NVFP4Source(self.source, self.notes, config={"group_size": 16}, flavor="compressed-tensors")
+        self._mxfp4 = MXFP4Source(self.source, self.notes, flavor="compressed-tensors")
 
     def _scheme(self, module: str):
         for name, group in self.groups.items():
@@ -57,29 +59,39 @@ class CompressedTensorsSource(Importer):
             return next(iter(self.groups.items()))
         raise UnsupportedQuantization(f"{module}: no config group targets this layer")
 
+    def _format(self, module: str):
+        """(compressed-tensors format, weights args) of the config group that targets `module`."""
+        _, group = self._scheme(module)
+        return group.get("format") or self.default_format, group.get("weights") or {}
+
     def plan(self) -> Dict[str, LayerPlan]:
         def tensors(module, key):
-            _, group = self._scheme(module)
-            fmt = group.get("format") or self.default_format
+            fmt, _ = self._format(module)
             if fmt == "nvfp4-pack-quantized":
                 return [key, f"{module}.weight_scale", f"{module}.weight_global_scale",
                         *self.present(f"{module}.input_global_scale")]
+            if fmt == "mxfp4-pack-quantized":  # activation scales of MXFP4 are dynamic: none stored
+                return [key, f"{module}.weight_scale"]
             if fmt == "pack-quantized":
                 return [key, *self.present(*(f"{module}.{n}" for n in ("weight_scale", "weight_shape",
                                                                         "weight_zero_point", "weight_g_idx")))]
-            raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} is not supported "
-                                          f"(supported: pack-quantized, nvfp4-pack-quantized)")
+            raise UnsupportedQuantization(f"compressed-tensors format {fmt!r} is not supported (supported: "
+                                          f"pack-quantized, nvfp4-pack-quantized, mxfp4-pack-quantized)")
 
         return self.plan_layers(".weight_packed", "compressed-tensors", tensors)
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
-        _, group = self._scheme(module)
-        if (group.get("format") or self.default_format) == "nvfp4-pack-quantized":
-            args = group.get("weights") or {}
+        fmt, args = self._format(module)
+        if fmt == "nvfp4-pack-quantized":
             if args.get("num_bits") != 4 or args.get("type") != "float" or args.get("group_size", 16) != 16:
                 raise UnsupportedQuantization(f"{module}: nvfp4 weights args {args} are not FP4 group 16")
             return self._nvfp4.convert(module, plan)
-        return self._convert_int4(module, group.get("weights") or {})
+        if fmt == "mxfp4-pack-quantized":
+            if (args.get("num_bits") != 4 or args.get("type") != "float" or args.get("group_size") != 32
+                    or args.get("symmetric") is False):
+                raise UnsupportedQuantization(f"{module}: mxfp4 weights args {args} are not symmetric FP4 group 32")
+            return self._mxfp4.convert(module, plan)
+        return self._convert_int4(module, args)
 
     def _convert_int4(self, module: str, args: dict) -> ConvertedLayer:
         if args.get("num_bits") != 4 or args.get("type", "int") != "int":

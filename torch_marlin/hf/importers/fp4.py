@@ -1,10 +1,13 @@
-"""FP4 (E2M1) checkpoints: MXFP4 (gpt-oss) and NVFP4 (modelopt, compressed-tensors).
+"""FP4 (E2M1) checkpoints: MXFP4 (gpt-oss, compressed-tensors) and NVFP4 (modelopt, compressed-tensors).
 
-All three store E2M1 codes two per byte, low nibble first, along K of the
+All store E2M1 codes two per byte, low nibble first, along K of the
 nn.Linear weight [N, K]; the E2M1 code table equals torch_marlin's fp4.
-- MXFP4: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
+- MXFP4 gpt-oss: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
   holding E8M0 exponents, scale = 2^(e - 127); gpt-oss's expert stacks add a
   leading expert dimension ([E, N, K/32, 16], [E, N, K/32]).
+- MXFP4 compressed-tensors (`mxfp4-pack-quantized`): `weight_packed` uint8
+  [N, K/2] and `weight_scale` uint8 [N, K/32], the same E8M0 exponents; no
+  global scale. Byte for byte the gpt-oss layout with the blocks flattened.
 - NVFP4 modelopt: `weight` uint8 [N, K/2], `weight_scale` float8_e4m3fn
   [N, K/16], `weight_scale_2` fp32 scalar; scale = weight_scale * weight_scale_2.
 - NVFP4 compressed-tensors: `weight_packed` uint8 [N, K/2], `weight_scale`
@@ -40,20 +43,29 @@ def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) 
 
 @dataclass
 class MXFP4Source(Importer):
-    """MXFP4 linear weights (`<module>.weight_blocks`) and expert stacks (gpt-oss's
-    `<experts>.<param>_blocks` [E, N, K/32, 16] with `_scales` [E, N, K/32] and an
-    optional `<param>_bias` [E, N]), each expert exactly like a linear weight."""
+    """gpt-oss layout (`flavor="gpt-oss"`: linear weights `<module>.weight_blocks` and
+    expert stacks `<experts>.<param>_blocks` [E, N, K/32, 16] with `_scales` [E, N, K/32]
+    and an optional `<param>_bias` [E, N], each expert exactly like a linear weight) or
+    compressed-tensors (`flavor="compressed-tensors"`, planned by CompressedTensorsSource,
+    which hands each MXFP4 layer to `convert`)."""
 
     QUANT_METHODS = ("mxfp4",)
     LABEL = "MXFP4"
 
     config: dict = field(default_factory=dict)
+    flavor: str = "gpt-oss"
     method: str = "mxfp4"
+
+    def __post_init__(self):
+        if self.flavor not in ("gpt-oss", "compressed-tensors"):
+            raise ValueError(f"flavor must be 'gpt-oss' or 'compressed-tensors', got {self.flavor!r}")
 
     def plan(self) -> Dict[str, LayerPlan]:
         def tensors(module, key):
             if len(self.source.shape(key)) != 3:
-                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got {list(self.source.shape(key))}")
+                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16] for a linear weight, got "
+                                              f"{list(self.source.shape(key))} (expert stacks are "
+                                              f"'<experts>.<param>_blocks')")
             return [key, f"{module}.weight_scales"]
 
         plans = {}
@@ -71,18 +83,25 @@ class MXFP4Source(Importer):
         return plans
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
-        blocks = self.require(plan.keys[0], torch.uint8)
-        *lead, nblocks, width = blocks.shape
-        if width != 16:
-            raise CheckpointError(f"{plan.keys[0]}: last dimension must be 16 bytes (32 values), got {width}")
-        exponents = self.require(plan.keys[1], torch.uint8, (*lead, nblocks)).to(torch.int32)
+        """plan.keys: the E2M1 bytes, then the E8M0 exponents."""
+        packed = self.require(plan.keys[0], torch.uint8)
+        if self.flavor == "gpt-oss":
+            if packed.dim() not in (3, 4) or packed.shape[-1] != 16:
+                raise CheckpointError(f"{plan.keys[0]}: expected [N, K/32, 16] or an expert stack [E, N, K/32, 16] "
+                                      f"(16 bytes = 32 values per block), got {list(packed.shape)}")
+            packed = packed.reshape(*packed.shape[:-2], -1)
+        elif packed.dim() != 2 or packed.shape[1] % 16:
+            raise CheckpointError(f"{plan.keys[0]}: expected [N, K/2] with K a multiple of 32, "
+                                  f"got {list(packed.shape)}")
+        rows, groups = tuple(packed.shape[:-1]), packed.shape[-1] // 16  # rows: [N] or [E, N]
+        exponents = self.require(plan.keys[1], torch.uint8, (*rows, groups)).to(torch.int32)
         if (exponents == E8M0_NAN).any():
             raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
-        codes = unpack_uint8_pairs(blocks).reshape(*lead, nblocks * 32)  # [(E,) N, K]
         scales = self.to_fp16_scales(torch.pow(2.0, (exponents - 127).to(torch.float64)), module)
-        if len(lead) == 1:
+        codes = unpack_uint8_pairs(packed)
+        if len(rows) == 1:
             return ConvertedLayer(fp4_layer(codes, scales, 32))
-        return ConvertedLayer(QuantizedExperts.stack([fp4_layer(codes[e], scales[e], 32) for e in range(lead[0])]))
+        return ConvertedLayer(QuantizedExperts.stack([fp4_layer(codes[e], scales[e], 32) for e in range(rows[0])]))
 
 
 @dataclass
