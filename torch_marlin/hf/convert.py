@@ -41,7 +41,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 @dataclass
 class ConversionSummary:
     source_method: str
-    layers_converted: int = 0
+    layers_converted: int = 0  # linear layers
+    stacks_converted: int = 0  # expert stacks (each E experts' weights of one projection)
     layers_in_float: List[str] = field(default_factory=list)
     bytes_before: int = 0  # all source tensors
     bytes_after: int = 0  # all written tensors
@@ -60,7 +61,9 @@ class ConversionSummary:
     def __str__(self) -> str:
         mib = 2.0 ** -20
         lines = [
-            f"converted {self.layers_converted} linear layers from {self.source_method} "
+            f"converted {self.layers_converted} linear layers"
+            + (f" and {self.stacks_converted} expert stacks" if self.stacks_converted else "")
+            + f" from {self.source_method} "
             f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))}); "
             f"{len(self.layers_in_float)} left in float",
             f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
@@ -205,7 +208,10 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
             modules[name]["act_order"] = True
         _write_layer(name, layer, modules[name], None if module in parts else plans[module].bias_key, source,
                      writer, dtype)
-        summary.layers_converted += 1
+        if isinstance(q, QuantizedExperts):
+            summary.stacks_converted += 1
+        else:
+            summary.layers_converted += 1
         summary.quantized_params += q.packed.numel() // q.packed.shape[-2] * q.in_features
         summary.quantized_bytes += q.nbytes
         tag = f"{q.weight_format}/g{q.group_size}"

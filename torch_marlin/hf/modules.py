@@ -106,6 +106,28 @@ def _layout_state_may_be_absent(model: nn.Module, replaced: List[str]) -> None:
         pattern}
 
 
+def keep_stacks_on_save(model: nn.Module) -> None:
+    """save_pretrained reverses the checkpoint conversions that loading used (it would split
+    `experts.gate_up_proj` back into `experts.{i}.gate_proj`/`up_proj` tensors); quantized
+    stacks are saved as they are, so drop the conversions that would reach their tensors."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if not conversions:
+        return
+    keys = [f"{name}.{param}.packed" for name, module in model.named_modules() if isinstance(module, MarlinExperts)
+            for param in module.stacks()]
+    if not keys:
+        return
+    from transformers.core_model_loading import WeightConverter
+
+    def reaches_stack(conversion) -> bool:
+        if not isinstance(conversion, WeightConverter):
+            return False
+        reverse = conversion.reverse_transform()
+        return any(reverse.rename_source_key(key)[1] is not None for key in keys)
+
+    model._weight_conversions = [c for c in conversions if not reaches_stack(c)]
+
+
 def _skip_parent_init(model: nn.Module, replaced: List[str]) -> None:
     """transformers re-initializes modules after loading; some _init_weights reach into a
     child's `.weight` (GPT-2 does `c_proj.weight`), which MarlinLinear does not have. A parent
