@@ -171,3 +171,33 @@ def test_a_gate_that_needs_the_weights_is_refused():
         report = tm.quantize_model(model, "fp4", 32, method="absmax")
     assert "0" in report.experts_unsupported and "gating does not run" in report.experts_unsupported["0"]
     assert any("PeekingExperts" in str(w.message) for w in caught)
+
+
+def test_experts_bad_input_is_named():
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation
+    class MismatchedExperts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 16, 8))
+            self.down_proj = nn.Parameter(torch.randn(3, 8, 8))  # E differs from gate_up_proj's
+            self.act_fn = nn.SiLU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise NotImplementedError
+
+    with pytest.raises(UnsupportedExperts, match="down_proj has 3 experts, gate_up_proj has 4"):
+        experts_structure(MismatchedExperts(transformers.PretrainedConfig()))
+    model = tiny_qwen3_moe()
+    tm.quantize_model(model, "int4", 32, method="absmax")
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, 64)
+    with pytest.raises(IndexError, match=r"expert_ids must lie in \[0, E\) = \[0, 5\)"):
+        experts(x, torch.tensor([[0, 5], [1, 2], [3, 4]]), torch.rand(3, 2))
+    with pytest.raises(RuntimeError, match="topk_weights must have expert_ids' shape"):
+        experts.down_proj(torch.randn(3, 2, 32), torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 3))
+    with pytest.raises(RuntimeError, match="expert_ids must be int32 or int64"):
+        experts(x, torch.zeros(3, 2), torch.rand(3, 2))
+    with pytest.raises(ValueError, match=r"x must have shape \[T, in_features=64\]"):
+        experts.gate_up_proj(torch.randn(3, 60), torch.zeros(3, 2, dtype=torch.long))
