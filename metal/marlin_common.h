@@ -81,4 +81,13 @@ MARLIN_CONSTEXPR int kTiledTileM = 64;
 MARLIN_CONSTEXPR int kDequantColumns = 32;
 MARLIN_CONSTEXPR int kDequantRows = 4;
 
+// Routed expert matmuls (metal/moe.metal): the per-pair GEMV has the decode
+// GEMV's threadgroup (kGemvSimdgroups x kGemvColumns); the grouped GEMM tiles
+// an expert's sorted rows kMoeTileM at a time (kGemmThreads threads, kGemmTileN
+// columns); the routing kernel is one threadgroup of kMoeRouteThreads threads;
+// the combining epilogue kMoeCombineThreads threads per threadgroup.
+MARLIN_CONSTEXPR int kMoeTileM = 32;
+MARLIN_CONSTEXPR int kMoeRouteThreads = 256;
+MARLIN_CONSTEXPR int kMoeCombineThreads = 256;
+
 }  // namespace marlin
