@@ -6,7 +6,8 @@ weights under each experts implementation it has on CPU (eager, batched_mm,
 grouped_mm) against MarlinExperts (4-bit stacks, torch.ops.marlin.moe_gemm),
 for T tokens routed top-8 at random (softmax weights). Both sides compute the
 same function: the bf16 weights are the dequantized 4-bit ones. Medians of
-repeated calls, all in one process, one implementation after the other per T.
+repeated calls, all in one process; per T the implementations are called in
+turn, round after round, so that load from other processes shifts them alike.
 
 Memory: what gpt-oss-20b and Qwen3-30B-A3B occupy with torch_marlin against
 bf16, computed from their published config.json (numbers copied below, no
@@ -42,17 +43,18 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False, norm_topk_prob=True)
 
 
-def median_seconds(fn, repeats: int, min_time: float = 0.5) -> float:
-    fn()  # warm-up
-    times = []
-    deadline = time.perf_counter() + min_time
-    while len(times) < repeats or time.perf_counter() < deadline:
-        start = time.perf_counter()
+def interleaved_medians(fns: dict, rounds: int) -> dict:
+    """Median seconds of each function, called in turn round after round (after one
+    warm-up call each), so that a shared machine's load shifts them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-        if len(times) >= 20 * repeats:
-            break
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # --- speed ----------------------------------------------------------------------------
@@ -100,36 +102,39 @@ def speed(args) -> list:
           f"threads; Qwen3-30B-A3B experts layer: {experts} experts, top-{top_k}, hidden {hidden}, "
           f"moe_intermediate {inter}; torch_marlin {args.format} g{args.group_size} vs bf16; medians (ms)")
     header = (f"{'T':>5} | {'marlin':>9} | " + " | ".join(f"{i:>10}" for i in impls)
-              + f" | {'x eager':>7} {'x fastest':>9} | max rel diff")
+              + f" | {'x eager':>7} {'x fastest':>9} | rel diff to eager")
     print(header)
     print("-" * len(header))
     rows = []
     for tokens in args.tokens:
         ids, weights = routing(tokens, experts, top_k, seed=tokens)
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        repeats = 3 if tokens >= 128 else 7
-        with torch.no_grad():
-            t_marlin = median_seconds(lambda: marlin(x, ids, weights), repeats)
-            y_marlin = marlin(x, ids, weights)
-            times, diff = {}, 0.0
-            for impl in impls:
-                # batched_mm gathers one weight matrix per (token, expert): skip it when that alone needs > 4 GiB.
-                if impl == "batched_mm" and tokens * top_k * 3 * hidden * inter * 2 > 4 * GIB:
-                    times[impl] = None
-                    continue
+
+        def transformers_impl(impl):
+            def run():
                 layer.config._experts_implementation = impl
-                times[impl] = median_seconds(lambda: layer(x, ids, weights), repeats)
-                y = layer(x, ids, weights).float()
-                diff = max(diff, float((y_marlin.float() - y).abs().max() / y.abs().max()))
-        fastest = min(t for t in times.values() if t is not None)
-        row = dict(tokens=tokens, marlin_ms=t_marlin * 1e3, **{f"{k}_ms": None if v is None else v * 1e3
-                                                                for k, v in times.items()},
+                return layer(x, ids, weights)
+            return run
+
+        fns = {"marlin": lambda: marlin(x, ids, weights)}
+        for impl in impls:
+            # batched_mm gathers one weight matrix per (token, expert): skip it when that alone needs > 4 GiB.
+            if not (impl == "batched_mm" and tokens * top_k * 3 * hidden * inter * 2 > 4 * GIB):
+                fns[impl] = transformers_impl(impl)
+        with torch.no_grad():
+            times = interleaved_medians(fns, args.rounds if tokens < 128 else max(3, args.rounds // 3))
+            y_marlin, y_eager = marlin(x, ids, weights).float(), fns["eager"]().float()
+            diff = float((y_marlin - y_eager).abs().max() / y_eager.abs().max())
+        t_marlin = times.pop("marlin")
+        fastest = min(times.values())
+        row = dict(tokens=tokens, marlin_ms=t_marlin * 1e3, **{f"{k}_ms": times[k] * 1e3 if k in times else None
+                                                                for k in impls},
                    speedup_vs_eager=times["eager"] / t_marlin, speedup_vs_fastest=fastest / t_marlin,
-                   max_rel_diff=diff)
+                   fastest=min(times, key=times.get), max_rel_diff=diff)
         rows.append(row)
-        cells = " | ".join(f"{'skipped':>10}" if times[i] is None else f"{times[i] * 1e3:10.2f}" for i in impls)
+        cells = " | ".join(f"{times[i] * 1e3:10.2f}" if i in times else f"{'skipped':>10}" for i in impls)
         print(f"{tokens:5} | {t_marlin * 1e3:9.2f} | {cells} | {row['speedup_vs_eager']:7.2f} "
-              f"{row['speedup_vs_fastest']:9.2f} | {diff:.1e}")
+              f"{row['speedup_vs_fastest']:9.2f} | {diff:.1e}", flush=True)
     return rows
 
 
@@ -199,6 +204,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,8,32,128,512")
     parser.add_argument("--format", default="fp4", choices=tm.WEIGHT_FORMATS)
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved calls per implementation (T < 128)")
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument("--json", default="bench_moe.json")
     args = parser.parse_args()

@@ -221,17 +221,20 @@ def _per_expert_source(src, dst, make_layer, quantization_config):
     return refs
 
 
-@pytest.mark.parametrize("source", ["gptq", "compressed-tensors"])
+@pytest.mark.parametrize("source", ["gptq", "awq", "compressed-tensors"])
 def test_per_expert_quantized_layers_are_stacked_exactly(source, moe_dir, tmp_path):
-    """GPTQ / compressed-tensors MoE checkpoints quantize each expert's gate/up/down as a
-    linear layer: they are concatenated (gate|up) and stacked without requantization."""
+    """GPTQ / AWQ / compressed-tensors MoE checkpoints quantize each expert's gate/up/down as
+    a linear layer: they are concatenated (gate|up) and stacked without requantization."""
     from test_hf_import_compressed_tensors import _config as ct_config, _ct_layer
-    from test_hf_import_gptq_awq import _gptq_layer
+    from test_hf_import_gptq_awq import _awq_layer, _gptq_layer
 
     src, qdir, dst = moe_dir("qwen3_moe"), str(tmp_path / "src"), str(tmp_path / "q")
     if source == "gptq":
         config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False}
         refs = _per_expert_source(src, qdir, lambda w: _gptq_layer(w, 32, sym=False, act_order=False), config)
+    elif source == "awq":
+        config = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+        refs = _per_expert_source(src, qdir, lambda w: _awq_layer(w, 32), config)
     else:
         refs = _per_expert_source(src, qdir, lambda w: _ct_layer(w, 32, sym=True), ct_config(True, "group", 32))
     convert(qdir, dst, progress=False)
