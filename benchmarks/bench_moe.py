@@ -15,6 +15,7 @@ download) by building the models on the meta device and the quantized modules
 (MarlinExperts, MarlinLinear) on it too: the real tensor sizes of the layouts.
 
     python benchmarks/bench_moe.py [--threads 2] [--tokens 1,8,32,128,512] [--format fp4] [--group-size 128]
+    python benchmarks/bench_moe.py --device mps     # on a Mac: the Metal kernels against transformers on MPS
     python benchmarks/bench_moe.py --memory-only
 """
 
@@ -43,16 +44,19 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
                      num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False, norm_topk_prob=True)
 
 
-def interleaved_medians(fns: dict, rounds: int) -> dict:
+def interleaved_medians(fns: dict, rounds: int, sync=lambda: None) -> dict:
     """Median seconds of each function, called in turn round after round (after one
-    warm-up call each), so that a shared machine's load shifts them alike."""
+    warm-up call each), so that a shared machine's load shifts them alike. `sync`
+    waits for the device (MPS) before and after each call."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
@@ -95,11 +99,14 @@ def routing(tokens: int, experts: int, top_k: int, seed: int):
 def speed(args) -> list:
     torch.set_num_threads(args.threads)
     layer, marlin = qwen3_experts_layer(args.format, args.group_size)
+    device = torch.device(args.device)
+    layer, marlin = layer.to(device), marlin.to(device)
+    sync = torch.mps.synchronize if device.type == "mps" else (lambda: None)
     top_k, experts = QWEN3_30B_A3B["num_experts_per_tok"], QWEN3_30B_A3B["num_experts"]
     hidden, inter = QWEN3_30B_A3B["hidden_size"], QWEN3_30B_A3B["moe_intermediate_size"]
     impls = ["eager", "batched_mm", "grouped_mm"]
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; Qwen3-30B-A3B experts layer: {experts} experts, top-{top_k}, hidden {hidden}, "
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, {device.type}, "
+          f"{torch.get_num_threads()} threads; Qwen3-30B-A3B experts layer: {experts} experts, top-{top_k}, hidden {hidden}, "
           f"moe_intermediate {inter}; torch_marlin {args.format} g{args.group_size} vs bf16; medians (ms)")
     header = (f"{'T':>5} | {'marlin':>9} | " + " | ".join(f"{i:>10}" for i in impls)
               + f" | {'x eager':>7} {'x fastest':>9} | rel diff to eager")
@@ -107,8 +114,8 @@ def speed(args) -> list:
     print("-" * len(header))
     rows = []
     for tokens in args.tokens:
-        ids, weights = routing(tokens, experts, top_k, seed=tokens)
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        ids, weights = (t.to(device) for t in routing(tokens, experts, top_k, seed=tokens))
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
 
         def transformers_impl(impl):
             def run():
@@ -122,7 +129,13 @@ def speed(args) -> list:
             if not (impl == "batched_mm" and tokens * top_k * 3 * hidden * inter * 2 > 4 * GIB):
                 fns[impl] = transformers_impl(impl)
         with torch.no_grad():
-            times = interleaved_medians(fns, args.rounds if tokens < 128 else max(3, args.rounds // 3))
+            for name, fn in list(fns.items()):  # an implementation this device lacks is left out
+                try:
+                    fn()
+                except (RuntimeError, NotImplementedError) as e:
+                    print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
+                    del fns[name]
+            times = interleaved_medians(fns, args.rounds if tokens < 128 else max(3, args.rounds // 3), sync)
             y_marlin, y_eager = marlin(x, ids, weights).float(), fns["eager"]().float()
             diff = float((y_marlin - y_eager).abs().max() / y_eager.abs().max())
         t_marlin = times.pop("marlin")
@@ -201,6 +214,7 @@ def memory(args) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or mps on a Mac (the Metal kernels)")
     parser.add_argument("--tokens", default="1,8,32,128,512")
     parser.add_argument("--format", default="fp4", choices=tm.WEIGHT_FORMATS)
     parser.add_argument("--group-size", type=int, default=128)

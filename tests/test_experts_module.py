@@ -133,12 +133,13 @@ def test_unknown_experts_classes_stay_float_with_a_warning():
     class HandRolledExperts(nn.Module):  # 3-D stacks but its own forward: not something to guess at
         def __init__(self):
             super().__init__()
-            self.w = nn.Parameter(torch.randn(4, 8, 16))
+            self.w1 = nn.Parameter(torch.randn(4, 8, 16))
+            self.w2 = nn.Parameter(torch.randn(4, 16, 8))
 
         def forward(self, x):
             return x
 
-    model = nn.Sequential(nn.Linear(16, 16), HandRolledExperts())
+    model = nn.Sequential(nn.Linear(16, 16), HandRolledExperts(), nn.Conv1d(4, 4, 3))  # a conv is no expert
     with pytest.warns(UserWarning, match="HandRolledExperts"):
         report = tm.quantize_model(model, "fp4", 32, method="absmax")
     assert report.replaced == ["0"] and list(report.experts_unsupported) == ["1"]

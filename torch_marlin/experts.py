@@ -152,12 +152,15 @@ def _dispatching_forward():
 
 def holds_expert_stacks(module: nn.Module) -> bool:
     """Whether a module looks like an experts module: the attributes the transformers
-    decorator sets, or 3-D floating-point parameters of its own."""
-    if isinstance(module, MarlinExperts):
+    decorator sets, or two or more 3-D floating-point parameters of its own with the
+    same leading (expert) dimension, in a class that is not one of torch.nn's (whose
+    convolutions have 3-D weights)."""
+    if isinstance(module, MarlinExperts) or type(module).__module__.startswith("torch.nn"):
         return False
     if all(hasattr(module, flag) for flag in ("has_gate", "is_transposed")):
         return True
-    return any(p.dim() == 3 and p.is_floating_point() for p in module.parameters(recurse=False))
+    leading = [p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3 and p.is_floating_point()]
+    return len(leading) >= 2 and len(set(leading)) == 1
 
 
 def experts_structure(module: nn.Module) -> ExpertsStructure:
