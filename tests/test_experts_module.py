@@ -202,3 +202,52 @@ def test_experts_bad_input_is_named():
         experts(x, torch.zeros(3, 2), torch.rand(3, 2))
     with pytest.raises(ValueError, match=r"x must have shape \[T, in_features=64\]"):
         experts.gate_up_proj(torch.randn(3, 60), torch.zeros(3, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("variant", ["no gate, post-expert norm", "transposed with bias"])
+def test_marlin_experts_match_transformers_implementations(variant):
+    """Any @use_experts_implementation class: MarlinExperts computes what transformers'
+    own experts implementations compute on the same module holding the dequantized weights."""
+    import copy
+
+    from transformers.integrations.moe import use_experts_implementation
+
+    no_gate = variant.startswith("no gate")
+
+    @use_experts_implementation(has_gate=not no_gate, has_post_expert_norm=no_gate, is_transposed=not no_gate,
+                                has_bias=not no_gate)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = 5, 64, 32
+            first = (e, h, i if no_gate else 2 * i) if not no_gate else (e, i, h)
+            self.register_parameter("up_proj" if no_gate else "gate_up_proj", nn.Parameter(torch.randn(first) * 0.1))
+            self.down_proj = nn.Parameter(torch.randn((e, h, i) if no_gate else (e, i, h)) * 0.1)
+            if not no_gate:
+                self.gate_up_proj_bias = nn.Parameter(torch.randn(e, 2 * i) * 0.1)
+                self.down_proj_bias = nn.Parameter(torch.randn(e, h) * 0.1)
+            else:
+                self.post_expert_norm = nn.LayerNorm(h)
+            self.act_fn = nn.GELU()
+            self.num_experts = e
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            raise NotImplementedError
+
+    config = transformers.PretrainedConfig()
+    source = Experts(config)
+    marlin = tm.MarlinExperts.from_float(source, "int4", 32, method="absmax")
+    reference = copy.deepcopy(source)
+    with torch.no_grad():
+        for name, stack in marlin.stacks().items():
+            w = stack.dequantize()
+            getattr(reference, name).copy_(w.transpose(1, 2) if marlin.structure.is_transposed else w)
+    x = torch.randn(7, 64)
+    ids = torch.stack([torch.randperm(5)[:2] for _ in range(7)])
+    weights = torch.softmax(torch.randn(7, 2), -1)
+    with torch.no_grad():
+        got = marlin(x, ids, weights)
+        for impl in ("batched_mm", "grouped_mm"):
+            reference.config._experts_implementation = impl
+            want = reference(x, ids, weights)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (impl, (got - want).abs().max())
