@@ -31,6 +31,17 @@ Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
 Binding workspace(int index, int slot) { return {index, Source::kWorkspace, slot, 0}; }
 Binding scalar(int index, int64_t value, const char* what) { return {index, Source::kScalar, 0, u32(value, what)}; }
 
+// The routing's workspaces (expert_start, order, tiles, tile_count) at buffer indices first, first + 1, ...
+std::vector<Binding> routing_bindings(int first) {
+  return {workspace(first, kExpertStart), workspace(first + 1, kOrder), workspace(first + 2, kTiles),
+          workspace(first + 3, kTileCount)};
+}
+
+std::vector<Binding> operator+(std::vector<Binding> a, const std::vector<Binding>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 int64_t weight_dtype_code(at::ScalarType t) { return t == at::kHalf ? 0 : t == at::kBFloat16 ? 1 : 2; }
 
 Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10::optional<at::Tensor>& topk_weights,
@@ -75,18 +86,12 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
     l.grid = {ceil_div(s.n, kGemvColumns), m.pairs, 1};
     l.threadgroup_memory = kGemvSimdgroups * kGemvColumns * 4;
-    l.bindings = {arg(0, kX),
-                  arg(1, kIds),
-                  arg(2, kPacked),
-                  arg(3, kScales),
-                  arg(4, kZeros),
-                  workspace(5, kRows),
-                  scalar(6, s.n, "N"),
-                  scalar(7, s.k, "K"),
-                  scalar(8, s.group_rows, "group rows"),
-                  scalar(9, s.experts, "E"),
-                  scalar(10, id_words, "id words"),
-                  scalar(11, x_row_div, "top_k")};
+    l.bindings = {arg(0, kX),           arg(1, kIds),
+                  arg(2, kPacked),      arg(3, kScales),
+                  arg(4, kZeros),       workspace(5, kRows),
+                  scalar(6, s.n, "N"),  scalar(7, s.k, "K"),
+                  scalar(8, s.group_rows, "group rows"), scalar(9, s.experts, "E"),
+                  scalar(10, id_words, "id words"),      scalar(11, x_row_div, "top_k")};
     check_launch(l);
     p.launches.push_back(std::move(l));
   } else {
@@ -95,14 +100,9 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     route.kernel = "marlin_moe_route";
     route.threadgroup = {kMoeRouteThreads, 1, 1};
     route.min_threads_x = kSimdWidth;  // any number of simdgroups (thread 0 does the serial part)
-    route.bindings = {arg(0, kIds),
-                      workspace(1, kExpertStart),
-                      workspace(2, kOrder),
-                      workspace(3, kTiles),
-                      workspace(4, kTileCount),
-                      scalar(5, m.pairs, "pairs"),
-                      scalar(6, s.experts, "E"),
-                      scalar(7, id_words, "id words")};
+    route.bindings = std::vector<Binding>{arg(0, kIds)} + routing_bindings(1) +
+                     std::vector<Binding>{scalar(5, m.pairs, "pairs"), scalar(6, s.experts, "E"),
+                                          scalar(7, id_words, "id words")};
     check_launch(route);
     p.launches.push_back(std::move(route));
     Launch g;
@@ -111,19 +111,11 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     g.threadgroup = {kGemmThreads, 1, 1};
     g.grid = {ceil_div(s.n, kGemmTileN), max_tiles, 1};
     g.threadgroup_memory = 2 * kMoeTileM * kGemmTileK * dtype_size(dtype);  // double-buffered x tile
-    g.bindings = {arg(0, kX),
-                  arg(1, kPacked),
-                  arg(2, kScales),
-                  arg(3, kZeros),
-                  workspace(4, kRows),
-                  workspace(5, kExpertStart),
-                  workspace(6, kOrder),
-                  workspace(7, kTiles),
-                  workspace(8, kTileCount),
-                  scalar(9, s.n, "N"),
-                  scalar(10, s.k, "K"),
-                  scalar(11, s.group_rows, "group rows"),
-                  scalar(12, x_row_div, "top_k")};
+    g.bindings = std::vector<Binding>{arg(0, kX), arg(1, kPacked), arg(2, kScales), arg(3, kZeros),
+                                      workspace(4, kRows)} +
+                 routing_bindings(5) +
+                 std::vector<Binding>{scalar(9, s.n, "N"), scalar(10, s.k, "K"),
+                                      scalar(11, s.group_rows, "group rows"), scalar(12, x_row_div, "top_k")};
     check_launch(g);
     p.launches.push_back(std::move(g));
   }
@@ -134,16 +126,11 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
   c.bool_constants = {{0, bias.has_value()}, {2, m.weighted}};
   c.threadgroup = {kMoeCombineThreads, 1, 1};
   c.grid = {ceil_div(out_rows * s.n, kMoeCombineThreads), 1, 1};
-  c.bindings = {workspace(0, kRows),
-                arg(1, kIds),
-                arg(2, kWeights),
-                arg(3, kBias),
-                output(4),
-                scalar(5, out_rows, "output rows"),
-                scalar(6, s.n, "N"),
-                scalar(7, m.top_k, "top_k"),
-                scalar(8, s.experts, "E"),
-                scalar(9, id_words, "id words"),
+  c.bindings = {workspace(0, kRows),  arg(1, kIds),
+                arg(2, kWeights),     arg(3, kBias),
+                output(4),            scalar(5, out_rows, "output rows"),
+                scalar(6, s.n, "N"),  scalar(7, m.top_k, "top_k"),
+                scalar(8, s.experts, "E"), scalar(9, id_words, "id words"),
                 scalar(10, m.weighted ? weight_dtype_code(topk_weights->scalar_type()) : 2, "weight dtype")};
   u32(out_rows * s.n, "output size");
   check_launch(c);
