@@ -22,8 +22,7 @@ def random_stack(experts, k, n, weight_format, group_size):
     codes = torch.randint(0, 16, (experts, k, n))
     scales = (torch.rand(experts, groups, n) * 0.02 + 0.001).half()
     zeros = (torch.rand(experts, groups, n) * 15).half() if weight_format == "uint4" else None
-    packed = torch.stack([tm.pack_codes(c) for c in codes])
-    return QuantizedExperts(packed, scales, zeros, weight_format, group_size, k, n)
+    return QuantizedExperts.from_codes(codes, scales, zeros, weight_format, group_size)
 
 
 def moe_reference(x, ids, weights, b64, bias):
@@ -60,19 +59,25 @@ def run(x, ids, weights, q, bias):
 
 @pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
 def test_stack_matches_per_element_reference(weight_format):
-    q = random_stack(3, 64, 5, weight_format, 32)
+    codes = torch.randint(0, 16, (3, 64, 5))
+    scales = (torch.rand(3, 2, 5) * 0.02 + 0.001).half()
+    zeros = (torch.rand(3, 2, 5) * 15).half() if weight_format == "uint4" else None
+    q = QuantizedExperts.from_codes(codes, scales, zeros, weight_format, 32)
     w = q.dequantize(torch.float64)
     assert w.shape == (3, 5, 64)
     for e in range(3):
-        words = pack_one_by_one(tm.unpack_codes(q.packed[e]).tolist())
+        words = pack_one_by_one(codes[e].tolist())
         assert words == q.packed[e].tolist()
-        ref = dequantize_one_by_one(words, q.scales[e].double().tolist(),
-                                    None if q.zeros is None else q.zeros[e].double().tolist(), weight_format, 32)
+        ref = dequantize_one_by_one(words, scales[e].double().tolist(),
+                                    None if zeros is None else zeros[e].double().tolist(), weight_format, 32)
         assert torch.equal(w[e].t(), torch.tensor(ref, dtype=torch.float64))
         assert torch.equal(q.expert(e).dequantize(torch.float64), w[e])
+        assert torch.equal(tm.unpack_codes(q.packed[e]), codes[e].to(torch.uint8))
     assert torch.allclose(q.weight(torch.float64), w, rtol=0, atol=1e-6 * float(w.abs().max()))
     assert q.descriptor() == [2, formats.WEIGHT_FORMATS.index(weight_format), 32, 64, 3]
     assert q.nbytes == 3 * (64 // 8 * 5 * 4 + 2 * 5 * 2 * (2 if weight_format == "uint4" else 1))
+    with pytest.raises(ValueError, match=r"scales must be \[E, G, N\] with E = 3"):
+        QuantizedExperts.from_codes(codes, scales[:2], zeros, weight_format, 32)
 
 
 def test_stack_of_dense_weights_and_its_errors():

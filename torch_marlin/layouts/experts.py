@@ -95,6 +95,19 @@ class QuantizedExperts(QuantizedLayout):
                    in_features, out_features)
 
     @classmethod
+    def from_codes(cls, codes, scales, zeros, weight_format, group_size,
+                   in_features=None, out_features=None) -> "QuantizedExperts":
+        """Pack codes [E, K, N] (0..15) with their scales/zeros [E, G, N]; validates everything."""
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 3 or codes.shape[0] == 0:
+            raise ValueError(f"codes must be a 3-D tensor [E, K, N] with E >= 1, got {formats._describe(codes)}")
+        for name, t in (("scales", scales), ("zeros", zeros)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 3 or t.shape[0] != codes.shape[0]):
+                raise ValueError(f"{name} must be [E, G, N] with E = {codes.shape[0]}, got {formats._describe(t)}")
+        return cls.stack([QuantizedWeight.from_codes(codes[e], scales[e], None if zeros is None else zeros[e],
+                                                     weight_format, group_size, in_features, out_features)
+                          for e in range(codes.shape[0])])
+
+    @classmethod
     def stack(cls, experts: Sequence[QuantizedWeight]) -> "QuantizedExperts":
         """Stack per-expert dense weights of one shape, format and group size (exact)."""
         experts = list(experts)
