@@ -5,14 +5,14 @@
 // csrc/core/metal_plan_experts.cpp:
 //
 // * few pairs (decode): marlin_moe_gemv, one threadgroup per (pair, 32
-//   columns), the decode GEMV's layout (metal/gemv.metal) on one row with the
-//   expert picked per pair;
+//   columns): the decode GEMV (metal/marlin_gemv.h) on the pair's x row and
+//   expert;
 // * many pairs (prefill): marlin_moe_route (one threadgroup) counting-sorts
 //   the pairs by expert (stable, no atomics: a simdgroup per expert counts and
 //   places its pairs with simd prefix sums) and lists the tiles of kMoeTileM
-//   sorted rows of one expert; marlin_moe_gemm, the fused dequant-in-registers
-//   GEMM (metal/gemm_fused.metal) on such a tile, gathers its x rows through
-//   the sorted pair list. The grid has the largest possible number of tiles
+//   sorted rows of one expert; marlin_moe_gemm runs the fused
+//   dequant-in-registers GEMM (metal/marlin_gemm_fused.h) on such a tile, its
+//   x rows gathered and its output rows scattered through the sorted pair list. The grid has the largest possible number of tiles
 //   (S / kMoeTileM + E); threadgroups past the routed count return at once.
 //
 // Both write fp32 rows [S, N] per pair, without bias; marlin_moe_combine adds
@@ -26,11 +26,10 @@
 #include <metal_simdgroup>
 #include <metal_stdlib>
 
-#include "marlin_dequant.h"
+#include "marlin_gemm_fused.h"
+#include "marlin_gemv.h"
 
 using namespace metal;
-
-constant bool marlin_moe_weighted [[function_constant(2)]];  // combine: sum top_k pairs with weights
 
 // The value of a row whose expert id is invalid (a quiet NaN).
 inline float marlin_moe_nan() { return as_type<float>(0x7FC00000u); }
@@ -44,6 +43,30 @@ inline int marlin_moe_expert(const device int* ids, uint p, uint id_words, uint 
 
 // --- per-pair GEMV ---------------------------------------------------------------
 
+// Expert e's matrix in the stacks: packed [K/8, N], scales/zeros [groups, N].
+struct MarlinExpert {
+  const device uint* packed;
+  const device half* scales;
+  const device half* zeros;
+};
+
+template <WeightFormat F>
+inline MarlinExpert marlin_expert(const device uint* packed, const device half* scales, const device half* zeros,
+                                  uint e, uint N, uint K) {
+  const uint KR = K / 8, groups = marlin_group_rows == 0 ? 1u : KR / marlin_group_rows;
+  return MarlinExpert{packed + ulong(e) * KR * N, scales + ulong(e) * groups * N,
+                      zeros + (has_zeros(F) ? ulong(e) * groups * N : 0)};
+}
+
+// The GEMV's output: fp32 row `row` [N] of one pair (marlin_rows = 1).
+struct MarlinPairRow {
+  device float* row;
+  uint N;
+  void store(uint m, uint n, float v) const {
+    if (n < N) row[n] = v;
+  }
+};
+
 template <typename T, WeightFormat F>
 [[kernel]] void marlin_moe_gemv(const device T* x [[buffer(0)]],
                                 const device int* ids [[buffer(1)]],
@@ -53,60 +76,26 @@ template <typename T, WeightFormat F>
                                 device float* rows [[buffer(5)]],
                                 constant uint& N [[buffer(6)]],
                                 constant uint& K [[buffer(7)]],
-                                constant uint& group_rows [[buffer(8)]],
-                                constant uint& E [[buffer(9)]],
-                                constant uint& id_words [[buffer(10)]],
-                                constant uint& x_row_div [[buffer(11)]],
-                                threadgroup float* partial [[threadgroup(0)]],
+                                constant uint& E [[buffer(8)]],
+                                constant uint& id_words [[buffer(9)]],
+                                constant uint& x_row_div [[buffer(10)]],
+                                threadgroup float* sums [[threadgroup(0)]],
                                 uint3 tgid [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint sg [[simdgroup_index_in_threadgroup]],
                                 uint nsg [[simdgroups_per_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]]) {
-  const uint p = tgid.y, n_base = tgid.x * kGemvColumns;
-  device float* out = rows + ulong(p) * N;
+  const uint p = tgid.y;
+  const MarlinPairRow out{rows + ulong(p) * N, N};
   const int e = marlin_moe_expert(ids, p, id_words, E);
   if (e < 0) {  // uniform in the threadgroup
     for (uint i = tid; i < uint(kGemvColumns); i += nsg * kSimdWidth)
-      if (n_base + i < N) out[n_base + i] = marlin_moe_nan();
+      out.store(0, tgid.x * kGemvColumns + i, marlin_moe_nan());
     return;
   }
-  const uint KR = K / 8, groups = K / group_rows;
-  const device uint* w_e = packed + ulong(e) * KR * N;
-  const device half* s_e = scales + ulong(e) * groups * N;
-  const device half* z_e = zeros + (has_zeros(F) ? ulong(e) * groups * N : 0);
-  const device T* xr = x + ulong(p / x_row_div) * K;
-
-  // Lane 8 * kl + cl: 4 consecutive words of packed row 4 * sg + kl + 4 * nsg * i.
-  const uint cl = lane % 8, kl = lane / 8;
-  const uint n0 = n_base + 4 * cl;
-  const bool full = n0 + 3 < N;
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (uint r = 4 * sg + kl; r < KR; r += 4 * nsg) {
-    const float4 x0 = float4(float(xr[8 * r]), float(xr[8 * r + 1]), float(xr[8 * r + 2]), float(xr[8 * r + 3]));
-    const float4 x1 = float4(float(xr[8 * r + 4]), float(xr[8 * r + 5]), float(xr[8 * r + 6]), float(xr[8 * r + 7]));
-    for (uint c = 0; c < 4; ++c) {
-      if (!full && n0 + c >= N) continue;
-      const uint w = w_e[ulong(r) * N + n0 + c];
-      const MarlinDequantParams prm = marlin_load_params<F>(s_e, z_e, r, n0 + c, N, group_rows);
-      const float4 lo = float4(marlin_dequant_pair<F>(w, 0, prm), marlin_dequant_pair<F>(w, 2, prm));
-      const float4 hi = float4(marlin_dequant_pair<F>(w, 4, prm), marlin_dequant_pair<F>(w, 6, prm));
-      acc[c] += dot(lo, x0) + dot(hi, x1);
-    }
-  }
-  for (uint c = 0; c < 4; ++c) {
-    float v = acc[c];
-    v += simd_shuffle_xor(v, ushort(8));
-    v += simd_shuffle_xor(v, ushort(16));
-    if (kl == 0) partial[sg * kGemvColumns + 4 * cl + c] = v;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < uint(kGemvColumns); i += nsg * kSimdWidth) {
-    if (n_base + i >= N) continue;
-    float s = 0.0f;
-    for (uint g = 0; g < nsg; ++g) s += partial[g * kGemvColumns + i];
-    out[n_base + i] = s;
-  }
+  const MarlinExpert w = marlin_expert<F>(packed, scales, zeros, uint(e), N, K);
+  marlin_gemv_columns<T, F>(x + ulong(p / x_row_div) * K, w.packed, w.scales, w.zeros, N, K, tgid.x, 0, K / 8,
+                            out, sums, tid, sg, nsg, lane);
 }
 
 // --- routing: pairs sorted by expert, tiles of one expert's rows ----------------------
@@ -172,22 +161,27 @@ template <typename T, WeightFormat F>
 
 constant constexpr uint kMoeNoPair = 0xFFFFFFFFu;  // a tile row past its expert's rows
 
-// Cooperative load (kGemmThreads threads) of x[row of each tile row's pair, k0 .. k0 + 32]
-// into a threadgroup tile, zero for rows without a pair and past K.
-template <typename T>
-inline void marlin_moe_load_x_tile(threadgroup T* dst, const device T* x, const threadgroup uint* pair_of_row,
-                                   uint k0, uint K, uint x_row_div, uint tid) {
-  for (uint i = tid; i < uint(kMoeTileM * kGemmTileK); i += kGemmThreads) {
-    const uint row = i / kGemmTileK, k = k0 + i % kGemmTileK, pair = pair_of_row[row];
-    dst[i] = (pair != kMoeNoPair && k < K) ? x[ulong(pair / x_row_div) * K + k] : T(0.0f);
-  }
-}
+// The tile's rows: tile row i is pair pair_of_row[i] (x row pair / x_row_div)
+// or none; its output goes to the pair's fp32 row.
+struct MarlinPairRows {
+  const threadgroup uint* pair_of_row;
+  uint x_row_div;
+  bool has(uint row) const { return pair_of_row[row] != kMoeNoPair; }
+  ulong x_row(uint row) const { return pair_of_row[row] / x_row_div; }
+};
 
-// The fused GEMM of metal/gemm_fused.metal (TM = kMoeTileM) on tile tgid.y of
-// the routing: simdgroup s owns the tile's kMoeTileM rows and columns
-// [16 s, 16 s + 16) of the tgid.x-th 64-column block, B^T fragments
-// dequantized per lane straight from one packed word, x^T fragments from a
-// double-buffered threadgroup tile gathered through the sorted pair list.
+struct MarlinPairRowsOutput {
+  const threadgroup uint* pair_of_row;
+  device float* rows;
+  uint N;
+  void store(uint m, uint n, float v) const {
+    const uint pair = pair_of_row[m];
+    if (pair != kMoeNoPair && n < N) rows[ulong(pair) * N + n] = v;
+  }
+};
+
+// Tile tgid.y of the routing, columns of block tgid.x: the fused GEMM over all
+// of K (no K split) with TM = kMoeTileM.
 template <typename T, WeightFormat F>
 [[kernel]] void marlin_moe_gemm(const device T* x [[buffer(0)]],
                                 const device uint* packed [[buffer(1)]],
@@ -200,78 +194,23 @@ template <typename T, WeightFormat F>
                                 const device uint* tile_count [[buffer(8)]],
                                 constant uint& N [[buffer(9)]],
                                 constant uint& K [[buffer(10)]],
-                                constant uint& group_rows [[buffer(11)]],
-                                constant uint& x_row_div [[buffer(12)]],
-                                threadgroup T* a_tiles [[threadgroup(0)]],
+                                constant uint& x_row_div [[buffer(11)]],
+                                threadgroup T* x_tiles [[threadgroup(0)]],
                                 uint3 tgid [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint sg [[simdgroup_index_in_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]]) {
-  constexpr int TM = kMoeTileM, MF = TM / 8;
-  threadgroup uint pair_of_row[TM];
+  threadgroup uint pair_of_row[kMoeTileM];
   if (tgid.y >= tile_count[0]) return;  // uniform: the grid is sized for the most tiles possible
   const uint e = tiles[2 * tgid.y], q0 = tiles[2 * tgid.y + 1], q_end = expert_start[e + 1];
-  if (tid < uint(TM)) pair_of_row[tid] = q0 + tid < q_end ? order[q0 + tid] : kMoeNoPair;
+  if (tid < uint(kMoeTileM)) pair_of_row[tid] = q0 + tid < q_end ? order[q0 + tid] : kMoeNoPair;
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const uint KR = K / 8, groups = K / group_rows;
-  const device uint* w_e = packed + ulong(e) * KR * N;
-  const device half* s_e = scales + ulong(e) * groups * N;
-  const device half* z_e = zeros + (has_zeros(F) ? ulong(e) * groups * N : 0);
-  const uint fr = (lane / 4 & 4) + (lane / 2) % 4;    // fragment row of this lane
-  const uint fc = (lane / 4 & 2) * 2 + (lane % 2) * 2;  // first fragment column
-  const uint nb = tgid.x * kGemmTileN + sg * (kGemmTileN / 4);
-  const uint n_lane0 = nb + fr, n_lane1 = nb + 8 + fr;
-
-  simdgroup_matrix<float, 8, 8> acc[2][MF];
-  for (int j = 0; j < 2; ++j)
-    for (int i = 0; i < MF; ++i) acc[j][i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-
-  marlin_moe_load_x_tile<T>(a_tiles, x, pair_of_row, 0, K, x_row_div, tid);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  uint buf = 0;
-  for (uint k0 = 0; k0 < K; k0 += kGemmTileK) {
-    if (k0 + kGemmTileK < K)
-      marlin_moe_load_x_tile<T>(a_tiles + (buf ^ 1) * (TM * kGemmTileK), x, pair_of_row, k0 + kGemmTileK, K,
-                                x_row_div, tid);
-    const threadgroup T* a = a_tiles + buf * (TM * kGemmTileK);
-    for (uint kk = 0; kk < uint(kGemmTileK / 8); ++kk) {
-      const uint r = k0 / 8 + kk;  // packed row
-      if (r >= KR) break;         // uniform: the last, partial stage
-      simdgroup_matrix<float, 8, 8> wt[2];
-      for (int j = 0; j < 2; ++j) {
-        const uint n = j ? n_lane1 : n_lane0;
-        uint w = 0;
-        MarlinDequantParams prm = {0.0f, 0.0f, 0.0f};  // columns past N: weight 0
-        if (n < N) {
-          w = w_e[ulong(r) * N + n];
-          prm = marlin_load_params<F>(s_e, z_e, r, n, N, group_rows);
-        }
-        marlin_set_elements(wt[j], marlin_dequant_pair<F>(w, fc, prm));
-      }
-      for (int i = 0; i < MF; ++i) {
-        simdgroup_matrix<float, 8, 8> xt;  // rows = K, cols = tile rows
-        const uint row = 8 * i + fc, col = 8 * kk + fr;
-        marlin_set_elements(xt, float2(float(a[row * kGemmTileK + col]), float(a[(row + 1) * kGemmTileK + col])));
-        for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[j][i], wt[j], xt, acc[j][i]);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    buf ^= 1;
-  }
-
-  // acc[j][i] element (fr, fc + v) is the tile's row 8 i + fc + v, column nb + 8 j + fr.
-  for (int j = 0; j < 2; ++j) {
-    const uint n = j ? n_lane1 : n_lane0;
-    if (n >= N) continue;
-    for (int i = 0; i < MF; ++i) {
-      const float2 v = float2(acc[j][i].thread_elements()[0], acc[j][i].thread_elements()[1]);
-      for (uint c = 0; c < 2; ++c) {
-        const uint pair = pair_of_row[8 * i + fc + c];
-        if (pair != kMoeNoPair) rows[ulong(pair) * N + n] = v[c];
-      }
-    }
-  }
+  const MarlinExpert w = marlin_expert<F>(packed, scales, zeros, e, N, K);
+  const MarlinPairRows tile_rows{pair_of_row, x_row_div};
+  const MarlinPairRowsOutput out{pair_of_row, rows, N};
+  marlin_gemm_fused_tile<T, F, kMoeTileM>(x, tile_rows, w.packed, w.scales, w.zeros, N, K, tgid.x, 0, K / 8, out,
+                                          0, x_tiles, tid, sg, lane);
 }
 
 // --- epilogue --------------------------------------------------------------------

@@ -9,6 +9,18 @@
 namespace marlin {
 namespace metal {
 
+uint32_t group_rows_constant(int64_t group_size) {
+  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
+}
+
+static bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
+
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n) {
+  return n % 4 == 0 && aligned16(x) && aligned16(packed) && aligned16(scales) &&
+         (!zeros.has_value() || aligned16(*zeros));
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 const char* dtype_name(at::ScalarType t) {
@@ -29,9 +41,13 @@ uint32_t u32(int64_t v, const char* what) {
 void check_launch(const Launch& l) {
   TORCH_INTERNAL_ASSERT(l.threadgroup_memory % 16 == 0 && l.threadgroup_memory <= kMaxThreadgroupMemory,
                         l.kernel, ": threadgroup memory ", l.threadgroup_memory);
-  TORCH_INTERNAL_ASSERT(l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2] <= 1024, l.kernel);
+  const int64_t threads = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];
+  TORCH_INTERNAL_ASSERT(threads <= 1024, l.kernel);
   TORCH_INTERNAL_ASSERT(l.min_threads_x == 0 || (l.min_threads_x % kSimdWidth == 0 && l.min_threads_x <= l.threadgroup[0]),
                         l.kernel, ": min_threads_x ", l.min_threads_x);
+  // At most kThreadgroupMemoryBudget per 128 threads: two threadgroups fit a core.
+  TORCH_INTERNAL_ASSERT(l.threadgroup_memory * 128 <= kThreadgroupMemoryBudget * threads, l.kernel,
+                        ": threadgroup memory ", l.threadgroup_memory, " for ", threads, " threads");
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
 }
 
@@ -129,8 +145,14 @@ std::string to_json(const Plan& p) {
       << l.threadgroup[0] << "," << l.threadgroup[1] << "," << l.threadgroup[2]
       << "],\"threadgroup_memory\":" << l.threadgroup_memory << ",\"min_threads_x\":" << l.min_threads_x
       << ",\"constants\":{";
-    for (size_t c = 0; c < l.bool_constants.size(); ++c)
-      o << (c ? "," : "") << "\"" << l.bool_constants[c].first << "\":" << (l.bool_constants[c].second ? "true" : "false");
+    for (size_t c = 0; c < l.constants.size(); ++c) {
+      const Constant& k = l.constants[c];
+      o << (c ? "," : "") << "\"" << k.index << "\":";
+      if (k.is_bool)
+        o << (k.value ? "true" : "false");
+      else
+        o << k.value;
+    }
     o << "},\"bindings\":[";
     for (size_t b = 0; b < l.bindings.size(); ++b) {
       const Binding& bd = l.bindings[b];

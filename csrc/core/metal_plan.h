@@ -47,10 +47,17 @@ struct Buffer {
   at::ScalarType dtype;
 };
 
+// A function constant's value (MARLIN_FOR_EACH_FUNCTION_CONSTANT): bool or uint.
+struct Constant {
+  int index;
+  bool is_bool;
+  uint32_t value;
+};
+
 struct Launch {
   std::string source;  // metal/<source>.metal
   std::string kernel;  // [[host_name]]
-  std::vector<std::pair<int, bool>> bool_constants;  // function_constant index -> value
+  std::vector<Constant> constants;  // every function constant the kernel reads
   std::array<int64_t, 3> grid{1, 1, 1};              // threadgroups per grid
   std::array<int64_t, 3> threadgroup{1, 1, 1};       // threads per threadgroup
   int64_t threadgroup_memory = 0;  // bytes for [[threadgroup(0)]] (multiple of 16)
@@ -59,6 +66,9 @@ struct Launch {
   // upper bound). 0: it needs exactly `threadgroup`. See fit_threadgroup.
   int64_t min_threads_x = 0;
   std::vector<Binding> bindings;
+
+  void set(FunctionConstant c, bool value) { constants.push_back({c, true, value ? 1u : 0u}); }
+  void set(FunctionConstant c, uint32_t value) { constants.push_back({c, false, value}); }
 };
 
 struct Plan {
@@ -70,10 +80,26 @@ struct Plan {
   std::string details;                 // JSON object members describing the problem (tests, benchmarks)
 };
 
+inline Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
+inline Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
+inline Binding workspace(int index, int slot = 0) { return {index, Source::kWorkspace, slot, 0}; }
+uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
+inline Binding scalar(int index, int64_t value, const char* what) {
+  return {index, Source::kScalar, 0, u32(value, what)};
+}
+
+// marlin_group_rows: packed rows per group, 0 for one group over all of K.
+uint32_t group_rows_constant(int64_t group_size);
+// marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
+// be read as 16-byte vectors (an expert's slice of a stack too: its offset is
+// a multiple of N words or halves). Metal requires a bound buffer's offset to
+// be aligned to what the kernel reads; PyTorch tensors may start anywhere.
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n);
+
 int64_t ceil_div(int64_t a, int64_t b);
 const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name suffixes
 int64_t dtype_size(at::ScalarType t);
-uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
 void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)
 
 // The threadgroup to dispatch `launch` with on a pipeline that allows at most

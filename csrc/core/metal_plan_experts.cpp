@@ -26,11 +26,6 @@ enum MoeArg { kX = 0, kIds, kWeights, kPacked, kScales, kZeros, kBias };
 // Workspaces of the plan.
 enum MoeWorkspace { kRows = 0, kExpertStart, kOrder, kTiles, kTileCount };
 
-Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
-Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
-Binding workspace(int index, int slot) { return {index, Source::kWorkspace, slot, 0}; }
-Binding scalar(int index, int64_t value, const char* what) { return {index, Source::kScalar, 0, u32(value, what)}; }
-
 // The routing's workspaces (expert_start, order, tiles, tile_count) at buffer indices first, first + 1, ...
 std::vector<Binding> routing_bindings(int first) {
   return {workspace(first, kExpertStart), workspace(first + 1, kOrder), workspace(first + 2, kTiles),
@@ -78,6 +73,10 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
                   {"tiles", {gemv ? 4 : 2 * max_tiles}, at::kInt},
                   {"tile_count", {4}, at::kInt}};
 
+  // The matmul kernels are the dense GEMV / fused GEMM (metal/marlin_gemv.h,
+  // marlin_gemm_fused.h) on one expert: the same function constants.
+  const bool aligned = vector_loads(x, packed, scales, zeros, s.n);
+  const uint32_t group_rows = group_rows_constant(group_size);
   if (gemv) {
     Launch l;
     l.source = "moe";
@@ -85,13 +84,16 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
     l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
     l.grid = {ceil_div(s.n, kGemvColumns), m.pairs, 1};
-    l.threadgroup_memory = kGemvSimdgroups * kGemvColumns * 4;
+    l.threadgroup_memory = gemv_threadgroup_memory(1);
+    l.set(kFcAligned, aligned);
+    l.set(kFcGroupRows, group_rows);
+    l.set(kFcRows, 1u);
     l.bindings = {arg(0, kX),           arg(1, kIds),
                   arg(2, kPacked),      arg(3, kScales),
                   arg(4, kZeros),       workspace(5, kRows),
                   scalar(6, s.n, "N"),  scalar(7, s.k, "K"),
-                  scalar(8, s.group_rows, "group rows"), scalar(9, s.experts, "E"),
-                  scalar(10, id_words, "id words"),      scalar(11, x_row_div, "top_k")};
+                  scalar(8, s.experts, "E"), scalar(9, id_words, "id words"),
+                  scalar(10, x_row_div, "top_k")};
     check_launch(l);
     p.launches.push_back(std::move(l));
   } else {
@@ -110,12 +112,13 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     g.kernel = "marlin_moe_gemm_" + suffix;
     g.threadgroup = {kGemmThreads, 1, 1};
     g.grid = {ceil_div(s.n, kGemmTileN), max_tiles, 1};
-    g.threadgroup_memory = 2 * kMoeTileM * kGemmTileK * dtype_size(dtype);  // double-buffered x tile
+    g.threadgroup_memory = fused_threadgroup_memory(kMoeTileM, static_cast<int>(dtype_size(dtype)));
+    g.set(kFcAligned, aligned);
+    g.set(kFcGroupRows, group_rows);
     g.bindings = std::vector<Binding>{arg(0, kX), arg(1, kPacked), arg(2, kScales), arg(3, kZeros),
                                       workspace(4, kRows)} +
                  routing_bindings(5) +
-                 std::vector<Binding>{scalar(9, s.n, "N"), scalar(10, s.k, "K"),
-                                      scalar(11, s.group_rows, "group rows"), scalar(12, x_row_div, "top_k")};
+                 std::vector<Binding>{scalar(9, s.n, "N"), scalar(10, s.k, "K"), scalar(11, x_row_div, "top_k")};
     check_launch(g);
     p.launches.push_back(std::move(g));
   }
@@ -123,7 +126,8 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
   Launch c;
   c.source = "moe";
   c.kernel = std::string("marlin_moe_combine_") + dtype_name(dtype);
-  c.bool_constants = {{0, bias.has_value()}, {2, m.weighted}};
+  c.set(kFcHasBias, bias.has_value());
+  c.set(kFcMoeWeighted, m.weighted);
   c.threadgroup = {kMoeCombineThreads, 1, 1};
   c.grid = {ceil_div(out_rows * s.n, kMoeCombineThreads), 1, 1};
   c.bindings = {workspace(0, kRows),  arg(1, kIds),
