@@ -97,4 +97,8 @@ TORCH_LIBRARY(marlin, m) {
   m.def("_metal_fit_threadgroup(str kernel, int[] threadgroup, int min_threads_x, int max_threads, "
         "int thread_execution_width=32) -> int[]");
   m.def("_metal_support_problem(int macos_major, int macos_minor, bool apple7_gpu) -> str");
+  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
+  m.def(
+      "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
+      "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
 }

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
-import torch
-
 from ...experts import linear_stack, quantize_experts
 from ...linear import linear_weight
 from ...model import matches_any
@@ -85,15 +83,16 @@ class FloatSource(Importer):
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         weight = self.source.load(plan.keys[0])
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
         stack = self.layout.resolve(module, self.layout.stacks)
-        if stack is not None:
-            weight = linear_stack(weight, self.layout.stacks[stack].transposed)
-            return ConvertedLayer(quantize_experts(weight, self.weight_format, self.group_size, self.quantizer))
         model_name = self.layout.resolve(module, self.layout.linears)  # None for an expert's part
-        conv1d = model_name is not None and self.layout.linears[model_name].kind == "conv1d"
-        q = quantize_weight(linear_weight(weight, conv1d), self.weight_format, self.group_size, self.quantizer)
+        try:  # the quantizer finds NaN and Inf while it reads the weight
+            if stack is not None:
+                weight = linear_stack(weight, self.layout.stacks[stack].transposed)
+                return ConvertedLayer(quantize_experts(weight, self.weight_format, self.group_size, self.quantizer))
+            conv1d = model_name is not None and self.layout.linears[model_name].kind == "conv1d"
+            q = quantize_weight(linear_weight(weight, conv1d), self.weight_format, self.group_size, self.quantizer)
+        except ValueError as e:
+            raise CheckpointError(f"{plan.keys[0]}: {e}") from e
         return ConvertedLayer(q)
 
     def layers_in_float(self, linears, converted):
