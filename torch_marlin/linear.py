@@ -152,10 +152,21 @@ class MarlinLinear(QuantizedModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse") -> "MarlinLinear":
+                    method: str = "mse", hessian: Optional[torch.Tensor] = None, **gptq_options) -> "MarlinLinear":
         """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
         stays on that device. This is the one path every float linear weight takes
-        (quantize_model, quantize-on-load)."""
+        (quantize_model, quantize-on-load).
+
+        method="gptq" needs `hessian`, mean(x x^T) [in_features, in_features] of the layer's
+        inputs, and takes act_order / damp / block_size / refine_rounds (torch_marlin.gptq);
+        with act_order the result is a PermutedInputMarlinLinear."""
+        if method == "gptq":
+            from .gptq import gptq_linear
+
+            return gptq_linear(linear, weight_format, group_size, hessian, **gptq_options)
+        if hessian is not None or gptq_options:
+            raise ValueError(f"hessian/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
+                             f"got method={method!r}")
         if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type == "meta":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
@@ -25,10 +25,21 @@ class QuantizationReport:
     experts_replaced: List[str] = field(default_factory=list)  # experts modules now MarlinExperts
     experts_skipped: List[str] = field(default_factory=list)  # experts modules left in float (excluded)
     experts_unsupported: Dict[str, str] = field(default_factory=dict)  # left in float: why
+    # method="gptq": relative output error on the calibration data, (round to nearest, GPTQ)
+    output_errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
+    calibration_batches: int = 0
+    seconds: float = 0.0
 
     @property
     def bytes_saved(self) -> int:
         return self.bytes_before - self.bytes_after
+
+    def record(self, name: str, linear: nn.Module, quantized: nn.Module) -> None:
+        self.bytes_before += _nbytes(linear)
+        self.bytes_after += _nbytes(quantized)
+        self.relative_errors[name] = quantized.quantization_error
+        self.replaced.append(name)
 
     def __str__(self) -> str:
         mib = 1 / 2 ** 20
@@ -36,8 +47,16 @@ class QuantizationReport:
         if self.experts_replaced or self.experts_skipped or self.experts_unsupported:
             left = len(self.experts_skipped) + len(self.experts_unsupported)
             experts = f" and {len(self.experts_replaced)} experts modules ({left} left in float)"
-        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float){experts}: "
+        text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float){experts}: "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
+        if self.output_errors:
+            lines = [text, f"GPTQ on {self.calibration_batches} calibration batches in {self.seconds:.1f} s; "
+                           f"relative output error per layer (round to nearest -> GPTQ):"]
+            lines += [f"  {name}: {rtn:.4f} -> {gptq:.4f}" for name, (rtn, gptq) in self.output_errors.items()]
+            if self.unreached:
+                lines.append(f"  never reached by the calibration data (round to nearest): {', '.join(self.unreached)}")
+            text = "\n".join(lines)
+        return text
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
@@ -67,14 +86,23 @@ def _nbytes(module: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
-                   method: str = "mse") -> QuantizationReport:
+                   method: str = "mse", calibration: Optional[Iterable] = None,
+                   **gptq_options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear, and
     every transformers experts module (3-D expert weight stacks) whose name
     matches them with a MarlinExperts. Experts classes MarlinExperts cannot
     stand in for stay in float, with a warning naming them.
-    Returns a QuantizationReport (what was replaced, memory before/after)."""
+    Returns a QuantizationReport (what was replaced, memory before/after).
+
+    method="gptq" quantizes the linear layers one after another in forward order with
+    GPTQ on the inputs they receive from `calibration` (an iterable of model
+    inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
+    model(**d)); options act_order / damp / block_size / refine_rounds are
+    described in torch_marlin.gptq and torch_marlin.calibration. Expert stacks
+    are then quantized without calibration (method "mse"): GPTQ for experts is
+    not implemented."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
@@ -88,17 +116,24 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             report.skipped.append(name)
         else:
             targets.append(name)
+    if method == "gptq":
+        from .gptq import quantize_model_gptq
+
+        quantize_model_gptq(model, {name: model.get_submodule(name) for name in targets}, report,
+                            weight_format, group_size, calibration, **gptq_options)
+        _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
+        return report
+    if calibration is not None or gptq_options:
+        raise ValueError(f"calibration/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
+                         f"got method={method!r}")
     for name in targets:
         linear = model.get_submodule(name)
         try:
             quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
         except ValueError as e:  # name the layer
             raise ValueError(f"{name}: {e}") from e
-        report.bytes_before += _nbytes(linear)
-        report.bytes_after += _nbytes(quantized)
-        report.relative_errors[name] = quantized.quantization_error
         model.set_submodule(name, quantized)
-        report.replaced.append(name)
+        report.record(name, linear, quantized)
     _quantize_experts(model, weight_format, group_size, include_p, exclude_p, method, report)
     return report
 
