@@ -65,4 +65,13 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, int group_size, "
                "ScalarType? dtype=None)",
                "Tensor");
+  // 2:4 sparse layout (torch_marlin/layouts/sparse24.py, docs/FORMAT.md).
+  def_metal_op(m, "sparse24_gemm",
+               "(Tensor x, Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, Tensor? bias, "
+               "str weight_format, int group_size)",
+               "Tensor");
+  def_metal_op(m, "sparse24_dequantize",
+               "(Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, str weight_format, "
+               "int group_size, ScalarType? dtype=None)",
+               "Tensor");
 }

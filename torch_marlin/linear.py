@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from . import formats
-from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code
+from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes
-from .quantize import quantize_weight
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -39,20 +38,21 @@ class MarlinLinear(nn.Module):
 
     `layout` is the weight layout class (torch_marlin/layouts/; default the
     dense QuantizedWeight): the module's buffers are that layout's tensors and
-    its forward is that layout's op.
+    its forward is that layout's op. `sparsity` ("2:4") is a shorthand for the
+    layout registered under that name (SparseQuantizedWeight).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  weight_format: str = "fp4", group_size: int = 128,
-                 device=None, dtype=None, layout: Type[QuantizedLayout] = QuantizedWeight) -> None:
+                 device=None, dtype=None, layout: Optional[Type[QuantizedLayout]] = None,
+                 sparsity: Optional[str] = None) -> None:
         super().__init__()
         formats.check_weight_format(weight_format)
         formats.check_group_size(group_size)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
-            raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
+        layout = _choose_layout(layout, sparsity)
         self.in_features, self.out_features = in_features, out_features
         self.weight_format, self.group_size = weight_format, group_size
         self.layout = layout
@@ -61,6 +61,7 @@ class MarlinLinear(nn.Module):
             self.register_buffer(name, getattr(empty, name))
         b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
         self.register_buffer("bias", b)
+        self.register_load_state_dict_post_hook(_check_loaded_contents)
 
     @classmethod
     def from_quantized(cls, qweight: QuantizedLayout, bias: Optional[torch.Tensor] = None) -> "MarlinLinear":
@@ -81,16 +82,19 @@ class MarlinLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse") -> "MarlinLinear":
+                    method: str = "mse", sparsity: Optional[str] = None) -> "MarlinLinear":
         """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
         stays on that device. This is the one path every float linear weight takes
-        (quantize_model, quantize-on-load)."""
+        (quantize_model, quantize-on-load). `method` is the quantizer; with
+        sparsity="2:4" the weight is first pruned by magnitude (torch_marlin.sparsity;
+        a weight that is already 2:4 keeps its pattern)."""
+        layout = _choose_layout(None, sparsity)
         if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
         weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        qweight = quantize_weight(weight, weight_format, group_size, method)
+        qweight = layout.from_float(weight, weight_format, group_size, method)
         bias = None if linear.bias is None else linear.bias.detach().cpu()
         module = cls.from_quantized(qweight, bias)
         module.quantization_error = qweight.relative_error
@@ -152,6 +156,24 @@ class MarlinLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight_format={self.weight_format}, "
                 f"group_size={self.group_size}{layout}, bits_per_weight={bits:.2f}")
+
+
+def _choose_layout(layout, sparsity) -> Type[QuantizedLayout]:
+    by_sparsity = layout_for_sparsity(sparsity)
+    if layout is None:
+        return by_sparsity or QuantizedWeight
+    if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
+        raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
+    if sparsity is not None and layout is not by_sparsity:
+        raise ValueError(f"layout={layout.__name__} and sparsity={sparsity!r} disagree: give one of them")
+    return layout
+
+
+def _check_loaded_contents(module: "MarlinLinear", incompatible_keys) -> None:
+    """After load_state_dict: the layout's content rules (e.g. valid 2:4 metadata)."""
+    qweight = module.quantized_weight()
+    if all(t.device.type != "meta" for t in qweight.tensors().values()):
+        qweight.check_contents()
 
 
 class PermutedInputMarlinLinear(MarlinLinear):

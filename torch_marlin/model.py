@@ -9,6 +9,7 @@ from typing import Dict, Iterable, List, Optional, Union
 from torch import nn
 
 from .linear import MarlinLinear, is_float_linear
+from .sparsity import split_method
 
 Patterns = Union[str, Iterable[str], None]
 
@@ -58,13 +59,18 @@ def _nbytes(module: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
-                   method: str = "mse") -> QuantizationReport:
+                   method: str = "mse", sparsity: Optional[str] = None) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear.
-    Returns a QuantizationReport (what was replaced, memory before/after)."""
+    Returns a QuantizationReport (what was replaced, memory before/after).
+
+    sparsity="2:4" prunes every such layer to 2:4 first (SparseQuantizedWeight);
+    `method` then names the pruning method (torch_marlin.sparsity): "magnitude"
+    (or a quantizer name, "mse"/"absmax": magnitude pruning with that quantizer)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
     targets = []
@@ -79,7 +85,7 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     for name in targets:
         linear = model.get_submodule(name)
         try:
-            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
+            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, quantizer, sparsity=sparsity)
         except ValueError as e:  # name the layer
             raise ValueError(f"{name}: {e}") from e
         report.bytes_before += _nbytes(linear)

@@ -8,12 +8,14 @@
 #define MARLIN_KERNEL_NS avx2
 #define MARLIN_KERNEL_AVX2 1  // enables the AVX2/FMA/F16C builtins in kernels_impl.h
 #include "cpu/kernels_impl.h"
+#include "cpu/sparse24_kernels_impl.h"
 #ifdef __clang__
 #pragma clang attribute pop
 #endif
 #else
 // Other architectures: "avx2" is never selected; alias it to the generic build.
 #include "cpu/kernel_args.h"
+#include "cpu/sparse24_kernel_args.h"
 namespace marlin {
 namespace cpu {
 namespace avx2 {
@@ -25,6 +27,15 @@ void gemm_tile(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scr
 }
 void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
   generic::dequantize_rows(a, k0, k1, nb, tile);
+}
+uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  return generic::sparse24_gemv(a, m0, m1, n0, n1);
+}
+uint32_t sparse24_gemm_tile(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+  return generic::sparse24_gemm_tile(a, m0, m1, nb, scratch);
+}
+uint32_t sparse24_dequantize_rows(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
+  return generic::sparse24_dequantize_rows(a, k0, k1, nb, tile);
 }
 }  // namespace avx2
 }  // namespace cpu

@@ -2,7 +2,9 @@
 metadata are arranged in tensors. One module per layout; each registers
 itself with base.register_layout."""
 
-from .base import QuantizedLayout, layout_by_code, register_layout
+from .base import QuantizedLayout, layout_by_code, layout_for_sparsity, register_layout
 from .dense import QuantizedWeight
+from .sparse24 import SparseQuantizedWeight
 
-__all__ = ["QuantizedLayout", "QuantizedWeight", "layout_by_code", "register_layout"]
+__all__ = ["QuantizedLayout", "QuantizedWeight", "SparseQuantizedWeight", "layout_by_code", "layout_for_sparsity",
+           "register_layout"]

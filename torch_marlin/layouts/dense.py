@@ -66,6 +66,12 @@ class QuantizedWeight(QuantizedLayout):
         zeros = torch.zeros_like(scales) if formats.has_zeros(weight_format) else None
         return cls(packed, scales, zeros, weight_format, group_size, in_features, out_features)
 
+    @classmethod
+    def from_float(cls, weight, weight_format, group_size, method="mse") -> "QuantizedWeight":
+        from ..quantize import quantize_weight
+
+        return quantize_weight(weight, weight_format, group_size, method)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W as [N, in_features] (reference path, float64 inside)."""
         b = formats.dequantize_reference(self.packed, self.scales, self.zeros,
