@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="cast the tensors left in float (default: keep the source dtype)")
     conv.add_argument("--quantizer", default="mse", choices=quantizer_names(),
                       help="quantizer for float sources (default mse)")
+    conv.add_argument("--sparsity", choices=("2:4",), default=None,
+                      help="prune float sources to 2:4 structured sparsity before quantizing (magnitude; "
+                           "weights that are already 2:4 keep their pattern); docs/FORMAT.md")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
@@ -78,7 +81,7 @@ def _convert(args) -> int:
                               overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                               quantize_lm_head=args.quantize_lm_head,
                               max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                              revision=args.revision)
+                              revision=args.revision, sparsity=args.sparsity)
     except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR

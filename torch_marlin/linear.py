@@ -181,8 +181,9 @@ class PermutedInputMarlinLinear(MarlinLinear):
     groups are contiguous after the permutation, so the input is permuted the same way."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
-                 group_size: int = 128, device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
+                 group_size: int = 128, device=None, dtype=None, layout=None, sparsity=None) -> None:
+        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype,
+                         layout=layout, sparsity=sparsity)
         self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ...layouts import QuantizedWeight, layout_for_sparsity
 from ...linear import linear_weight
 from ...model import matches_any
-from ...quantize import quantize_weight
+from ...sparsity import is_2to4
 from ..layout import ModelLayout, float_linear_modules
 from ..errors import CheckpointError
 from .base import ConvertedLayer, Importer, LayerPlan
@@ -23,7 +24,9 @@ class FloatSource(Importer):
     quantizer: str = "mse"
     exclude: Sequence[str] = ()
     quantize_lm_head: bool = False
+    sparsity: Optional[str] = None  # "2:4": magnitude pruning (a weight already 2:4 keeps its pattern)
     skipped: List[str] = field(default_factory=list)  # linear layers left in float, with reason
+    already_sparse: List[str] = field(default_factory=list)  # with sparsity: weights that were already 2:4
 
     def plan(self) -> Dict[str, LayerPlan]:
         plans = {}
@@ -55,11 +58,16 @@ class FloatSource(Importer):
         weight = linear_weight(weight, self.layout.linears[model_name].kind == "conv1d")
         if not torch.isfinite(weight).all():
             raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
-        q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
-        return ConvertedLayer(q)
+        layout = layout_for_sparsity(self.sparsity) or QuantizedWeight
+        if self.sparsity is not None and is_2to4(weight):
+            self.already_sparse.append(module)
+        return ConvertedLayer(layout.from_float(weight, self.weight_format, self.group_size, self.quantizer))
 
     def layers_in_float(self, linears, converted):
         return sorted(self.skipped)
 
     def description(self) -> dict:
-        return {"method": "float", "quantizer": self.quantizer}
+        described = {"method": "float", "quantizer": self.quantizer}
+        if self.sparsity is not None:
+            described.update(sparsity=self.sparsity, pruning="magnitude", already_sparse=len(self.already_sparse))
+        return described
