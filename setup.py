@@ -14,11 +14,19 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 GENERATED = os.path.join(ROOT, "build", "generated")
 
 
+EMBED_METAL = os.path.join(ROOT, "csrc", "mps", "embed_metal.py")
+
+
 def embed_metal_sources():
     """macOS: metal/ sources (and a metallib when Xcode's `metal` works) become a
     header that the bridge compiles in, so the installed extension needs no files."""
-    subprocess.run([sys.executable, os.path.join(ROOT, "csrc", "mps", "embed_metal.py"), GENERATED,
-                    "--metallib"], check=True)
+    subprocess.run([sys.executable, EMBED_METAL, GENERATED, "--metallib"], check=True)
+
+
+def macos_floor():
+    """The oldest macOS the package supports (embed_metal.MACOS_FLOOR)."""
+    return subprocess.run([sys.executable, EMBED_METAL, "--macos-floor"], check=True, capture_output=True,
+                          text=True).stdout.strip()
 
 
 class BuildPyWithMetal(build_py):
@@ -50,8 +58,11 @@ def extension():
     if sys.platform == "darwin":
         embed_metal_sources()
         include_dirs.append(GENERATED)
-        cxx += ["-fobjc-arc"]  # .mm files compile as Objective-C++ by their extension
-        link = ["-framework", "Metal", "-framework", "Foundation"]
+        # Built for the declared macOS floor, not the build machine's: APIs
+        # newer than the floor need @available (as the Linux syntax check enforces).
+        floor = [f"-mmacosx-version-min={macos_floor()}"]
+        cxx += ["-fobjc-arc"] + floor  # .mm files compile as Objective-C++ by their extension
+        link = ["-framework", "Metal", "-framework", "Foundation"] + floor
     else:
         link = []
     # at::parallel_for inlines OpenMP pragmas on Linux torch builds. macOS

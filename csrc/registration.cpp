@@ -45,7 +45,7 @@ void def_metal_op(torch::Library& m, const std::string& name, const std::string&
 }  // namespace
 
 // Importing torch_marlin._C runs the static registrations below.
-extern "C" PyMODINIT_FUNC PyInit__C(void) {
+PyMODINIT_FUNC PyInit__C(void) {  // PyMODINIT_FUNC is extern "C" in C++
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);
   if (module && PyModule_AddObject(module, "SHARED_CONSTANTS", shared_constants()) < 0) {
@@ -65,6 +65,11 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, int group_size, "
                "ScalarType? dtype=None)",
                "Tensor");
+  // What the MPS bridge decides from the device and its pipelines
+  // (csrc/core/metal_plan.cpp), exposed so run_metal and the tests apply the same rules.
+  m.def("_metal_fit_threadgroup(str kernel, int[] threadgroup, int min_threads_x, int max_threads, "
+        "int thread_execution_width=32) -> int[]");
+  m.def("_metal_support_problem(int macos_major, int macos_minor, bool apple7_gpu) -> str");
   // 2:4 sparse layout (torch_marlin/layouts/sparse24.py, docs/FORMAT.md).
   def_metal_op(m, "sparse24_gemm",
                "(Tensor x, Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, Tensor? bias, "

@@ -9,7 +9,9 @@
 // dot products; the 4 kl lanes of a column are summed with simd_shuffle_xor
 // (a 4-lane simd reduction), the simdgroups through threadgroup memory
 // (SG * MR * 32 floats), then one thread per (row, column) adds the bias and
-// rounds once to T.
+// rounds once to T. SG is read at run time (simdgroups_per_threadgroup): the
+// bridge may launch fewer simdgroups than planned when a pipeline allows fewer
+// threads (csrc/core/metal_plan.cpp fit_threadgroup).
 #include <metal_simdgroup>
 #include <metal_stdlib>
 
@@ -83,8 +85,10 @@ template <typename T, WeightFormat F, int MR>
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  if (tid < uint(MR) * kGemvColumns) {
-    const uint m = tid / kGemvColumns, col = tid % kGemvColumns, n = tgid.x * kGemvColumns + col;
+  // One thread per (row, column); a threadgroup shrunk below MR simdgroups
+  // (fit_threadgroup) loops.
+  for (uint i = tid; i < uint(MR) * kGemvColumns; i += nsg * kSimdWidth) {
+    const uint m = i / kGemvColumns, col = i % kGemvColumns, n = tgid.x * kGemvColumns + col;
     if (m < M && n < N) {
       float s = 0.0f;
       for (uint g = 0; g < nsg; ++g) s += partial[(g * MR + m) * kGemvColumns + col];

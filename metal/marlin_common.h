@@ -61,6 +61,9 @@ MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};
 // --- Metal tiles: what the planner launches and the kernels assume --------------
 
 MARLIN_CONSTEXPR int kMaxThreadgroupMemory = 32 * 1024;  // bytes, every Apple GPU
+// Lanes per simdgroup on Apple GPUs; every kernel's lane arithmetic assumes it
+// (the MPS bridge checks each pipeline's threadExecutionWidth).
+MARLIN_CONSTEXPR int kSimdWidth = 32;
 
 // Decode GEMV (metal/gemv.metal): a threadgroup of kGemvSimdgroups simdgroups
 // owns kGemvColumns output columns and all of K, for up to kGemvMaxRows rows.

@@ -2,6 +2,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <sstream>
 
@@ -29,7 +30,42 @@ void check_launch(const Launch& l) {
   TORCH_INTERNAL_ASSERT(l.threadgroup_memory % 16 == 0 && l.threadgroup_memory <= kMaxThreadgroupMemory,
                         l.kernel, ": threadgroup memory ", l.threadgroup_memory);
   TORCH_INTERNAL_ASSERT(l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2] <= 1024, l.kernel);
+  TORCH_INTERNAL_ASSERT(l.min_threads_x == 0 || (l.min_threads_x % kSimdWidth == 0 && l.min_threads_x <= l.threadgroup[0]),
+                        l.kernel, ": min_threads_x ", l.min_threads_x);
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
+}
+
+std::array<int64_t, 3> fit_threadgroup(const Launch& l, int64_t max_threads) {
+  const int64_t planned = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];
+  TORCH_CHECK(max_threads > 0, "torch_marlin: ", l.kernel, ": a pipeline limit of ", max_threads,
+              " threads per threadgroup");
+  if (planned <= max_threads) return l.threadgroup;
+  const int64_t rows = l.threadgroup[1] * l.threadgroup[2];
+  // Whole simdgroups along x, as many as the limit allows.
+  const int64_t x = max_threads / rows / kSimdWidth * kSimdWidth;
+  TORCH_CHECK(l.min_threads_x > 0 && x >= l.min_threads_x, "torch_marlin: kernel ", l.kernel, " needs ",
+              l.min_threads_x > 0 ? l.min_threads_x * rows : planned,
+              " threads per threadgroup, but this GPU's pipeline allows only ", max_threads,
+              " (maxTotalThreadsPerThreadgroup)");
+  return {x, l.threadgroup[1], l.threadgroup[2]};
+}
+
+void check_simd_width(const std::string& kernel, int64_t width) {
+  TORCH_CHECK(width == kSimdWidth, "torch_marlin: kernel ", kernel, " is written for ", kSimdWidth,
+              "-lane simdgroups, but this GPU runs ", width,
+              " threads per SIMD group (threadExecutionWidth); only Apple-silicon GPUs are supported");
+}
+
+std::string metal_support_problem(int64_t major, int64_t minor, bool apple7_gpu) {
+  std::ostringstream o;
+  if (major < kMinMacOSMajor || (major == kMinMacOSMajor && minor < kMinMacOSMinor))
+    o << "torch_marlin's Metal kernels need macOS " << kMinMacOSMajor << "." << kMinMacOSMinor
+      << " or newer (Metal Shading Language 3.1, for bfloat), this is macOS " << major << "." << minor
+      << "; use the CPU device, or update macOS";
+  else if (!apple7_gpu)
+    o << "torch_marlin's Metal kernels need an Apple-silicon GPU (MTLGPUFamilyApple7: M1 or newer); "
+         "this GPU is not one; use the CPU device";
+  return o.str();
 }
 
 namespace {
@@ -91,7 +127,8 @@ std::string to_json(const Plan& p) {
     o << (i ? "," : "") << "{\"source\":\"" << l.source << "\",\"kernel\":\"" << l.kernel
       << "\",\"grid\":[" << l.grid[0] << "," << l.grid[1] << "," << l.grid[2] << "],\"threadgroup\":["
       << l.threadgroup[0] << "," << l.threadgroup[1] << "," << l.threadgroup[2]
-      << "],\"threadgroup_memory\":" << l.threadgroup_memory << ",\"constants\":{";
+      << "],\"threadgroup_memory\":" << l.threadgroup_memory << ",\"min_threads_x\":" << l.min_threads_x
+      << ",\"constants\":{";
     for (size_t c = 0; c < l.bool_constants.size(); ++c)
       o << (c ? "," : "") << "\"" << l.bool_constants[c].first << "\":" << (l.bool_constants[c].second ? "true" : "false");
     o << "},\"bindings\":[";
@@ -103,6 +140,29 @@ std::string to_json(const Plan& p) {
   }
   o << "]}";
   return o.str();
+}
+
+namespace {
+
+// What the MPS bridge decides from a pipeline's limits, for run_metal and the
+// tests (the bridge itself calls check_simd_width and fit_threadgroup).
+std::vector<int64_t> fit_threadgroup_op(c10::string_view kernel, at::IntArrayRef threadgroup, int64_t min_threads_x,
+                                        int64_t max_threads, int64_t thread_execution_width) {
+  TORCH_CHECK(threadgroup.size() == 3, "threadgroup must have 3 sizes, got ", threadgroup.size());
+  Launch l;
+  l.kernel = std::string(kernel);
+  l.threadgroup = {threadgroup[0], threadgroup[1], threadgroup[2]};
+  l.min_threads_x = min_threads_x;
+  check_simd_width(l.kernel, thread_execution_width);
+  const std::array<int64_t, 3> tg = fit_threadgroup(l, max_threads);
+  return {tg.begin(), tg.end()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) {
+  m.impl("_metal_fit_threadgroup", &fit_threadgroup_op);
+  m.impl("_metal_support_problem", &metal_support_problem);
 }
 
 }  // namespace metal

@@ -54,6 +54,10 @@ struct Launch {
   std::array<int64_t, 3> grid{1, 1, 1};              // threadgroups per grid
   std::array<int64_t, 3> threadgroup{1, 1, 1};       // threads per threadgroup
   int64_t threadgroup_memory = 0;  // bytes for [[threadgroup(0)]] (multiple of 16)
+  // Fewest threads along x the kernel is written for (it reads its simdgroup
+  // count at run time; threadgroup memory stays sized for `threadgroup`, an
+  // upper bound). 0: it needs exactly `threadgroup`. See fit_threadgroup.
+  int64_t min_threads_x = 0;
   std::vector<Binding> bindings;
 };
 
@@ -71,6 +75,26 @@ const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name 
 int64_t dtype_size(at::ScalarType t);
 uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
 void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)
+
+// The threadgroup to dispatch `launch` with on a pipeline that allows at most
+// `max_threads` threads per threadgroup (Metal's maxTotalThreadsPerThreadgroup,
+// which shrinks with a kernel's register use): the planned one if it fits,
+// else, for a kernel written for it (min_threads_x > 0), x reduced to whole
+// simdgroups down to min_threads_x; otherwise an error naming the kernel.
+// The MPS bridge and run_metal(..., max_threads_per_threadgroup=) both use it.
+std::array<int64_t, 3> fit_threadgroup(const Launch& launch, int64_t max_threads);
+
+// Every kernel assumes 32-lane simdgroups (kSimdWidth): an error naming the
+// kernel if a pipeline reports another threadExecutionWidth.
+void check_simd_width(const std::string& kernel, int64_t thread_execution_width);
+
+// The Macs the kernels are built for: macOS kMinMacOS (Metal Shading
+// Language 3.1, for bfloat; the bridge compiles with MTLLanguageVersion3_1)
+// and an Apple-silicon GPU (MTLGPUFamilyApple7: simdgroup_matrix, 32-lane
+// simdgroups). Empty if this one qualifies, else the error to raise. The MPS
+// bridge reads the OS version and the GPU family and raises this at first use.
+inline constexpr int64_t kMinMacOSMajor = 14, kMinMacOSMinor = 0;
+std::string metal_support_problem(int64_t macos_major, int64_t macos_minor, bool apple7_gpu);
 
 // The plan as JSON, arguments named as in the op's schema.
 std::string to_json(const Plan& plan);

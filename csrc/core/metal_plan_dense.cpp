@@ -70,7 +70,9 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
     l.source = "gemv";
     l.kernel = "marlin_gemv_" + suffix + "_m" + std::to_string(mr);
     l.bool_constants = {{0, has_bias}, {1, false}};
-    l.threadgroup = {32 * kGemvSimdgroups, 1, 1};
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    // The GEMV splits K over however many simdgroups it gets (down to one).
+    l.min_threads_x = kSimdWidth;
     l.grid = {ceil_div(n, kGemvColumns), 1, 1};
     l.threadgroup_memory = kGemvSimdgroups * mr * kGemvColumns * 4;
     l.bindings = {arg(0, kGemmX),      arg(1, kGemmPacked), arg(2, kGemmScales),

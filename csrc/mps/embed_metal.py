@@ -1,16 +1,21 @@
 """Embeds metal/*.metal into a C++ header for csrc/mps/metal_encode.mm.
 
     python3 csrc/mps/embed_metal.py OUT_DIR [--metallib]
+    python3 csrc/mps/embed_metal.py --macos-floor      # prints MACOS_FLOOR
 
 Writes OUT_DIR/torch_marlin_metal_sources.h with kMarlinMetalSources (each
 kernel file with its #include "..." of metal/ headers inlined, compiled at
 first use with newLibraryWithSource) and kMarlinMetallib: a precompiled
-metallib of all files when --metallib is given and `xcrun metal` works (full
-Xcode toolchain), else empty (the bridge then falls back to source).
+metallib of all files when --metallib is given and Xcode's Metal toolchain
+works, else empty (the bridge then compiles the sources). The metallib is
+built for the package's macOS floor with safe math, like the bridge's
+runtime compile. No toolchain: a note and the source fallback. A toolchain
+that rejects a kernel: its diagnostics and a failed build.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +26,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 METAL = ROOT / "metal"
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+# The oldest macOS the package supports (Metal Shading Language 3.1, for
+# bfloat): the metallib's deployment target, setup.py's and the .mm syntax
+# check's. csrc/core/metal_plan.h (kMinMacOS*) checks it at run time; a test
+# keeps the two equal.
+MACOS_FLOOR = "14.0"
+METAL_STD = "metal3.1"
+
+
+class MetalCompileError(RuntimeError):
+    """Xcode's Metal compiler ran and rejected a kernel."""
 
 
 def inline(path: Path, seen: set) -> str:
@@ -35,26 +51,67 @@ def inline(path: Path, seen: set) -> str:
     return INCLUDE.sub(repl, path.read_text())
 
 
-def build_metallib(sources, work: Path):
-    if shutil.which("xcrun") is None:
+def toolchain_probe_command() -> list:
+    return ["xcrun", "-sdk", "macosx", "metal", "--version"]
+
+
+def metal_compile_command(src: Path, air: Path) -> list:
+    """One kernel file to AIR: the floor's deployment target (not the build
+    machine's), MSL 3.1, and safe math (Metal defaults to fast math, which may
+    reassociate the uint4 `(raw - 1024) - zero` and flush the half subnormal
+    the fp4 decode makes of +-0.5)."""
+    return ["xcrun", "-sdk", "macosx", "metal", f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_FLOOR}",
+            "-fno-fast-math", "-I", str(METAL), "-c", str(src), "-o", str(air)]
+
+
+def metallib_link_command(airs, lib: Path) -> list:
+    """The AIR files to one metallib (the deployment target travels in each
+    AIR's target triple; the environment below sets it for the linker too)."""
+    return ["xcrun", "-sdk", "macosx", "metallib", *map(str, airs), "-o", str(lib)]
+
+
+def toolchain_env() -> dict:
+    return {**os.environ, "MACOSX_DEPLOYMENT_TARGET": MACOS_FLOOR}
+
+
+def build_metallib(sources, work: Path, run=subprocess.run, which=shutil.which):
+    """The metallib's bytes, or None when there is no Metal toolchain (no
+    xcrun, or xcrun without Xcode's Metal compiler). Raises MetalCompileError
+    with the compiler's output when the toolchain rejects a kernel."""
+    if which("xcrun") is None:
+        print("embed_metal: no xcrun (Xcode); the bridge compiles the Metal sources at first use", file=sys.stderr)
+        return None
+    env = toolchain_env()
+    probe = run(toolchain_probe_command(), capture_output=True, text=True, env=env)
+    if probe.returncode != 0:
+        print("embed_metal: no Metal toolchain (`xcrun metal --version` failed: "
+              f"{(probe.stderr or probe.stdout).strip()}); the bridge compiles the Metal sources at first use",
+              file=sys.stderr)
         return None
     airs = []
-    try:
-        for src in sources:
-            air = work / (src.stem + ".air")
-            subprocess.run(["xcrun", "-sdk", "macosx", "metal", "-std=metal3.1", "-I", str(METAL), "-c",
-                            str(src), "-o", str(air)], check=True, capture_output=True)
-            airs.append(str(air))
-        lib = work / "torch_marlin.metallib"
-        subprocess.run(["xcrun", "-sdk", "macosx", "metallib", *airs, "-o", str(lib)], check=True,
-                       capture_output=True)
-        return lib.read_bytes()
-    except (subprocess.CalledProcessError, OSError) as e:
-        print(f"embed_metal: no metallib ({e}); the bridge compiles from source", file=sys.stderr)
-        return None
+    for src in sources:
+        air = work / (src.stem + ".air")
+        _run_checked(run, metal_compile_command(src, air), env, f"metal/{src.name}")
+        airs.append(air)
+    lib = work / "torch_marlin.metallib"
+    _run_checked(run, metallib_link_command(airs, lib), env, "the metallib")
+    return lib.read_bytes()
+
+
+def _run_checked(run, cmd, env, what):
+    r = run(cmd, capture_output=True, text=True, env=env)
+    output = ((r.stdout or "") + (r.stderr or "")).strip()
+    if output:  # warnings too: they are Apple-compiler-only diagnostics we want to see
+        print(output, file=sys.stderr)
+    if r.returncode != 0:
+        raise MetalCompileError(f"embed_metal: Xcode's Metal compiler rejected {what} (exit {r.returncode}):\n"
+                                f"{' '.join(cmd)}\n{output}")
 
 
 def main(argv):
+    if argv[1:] == ["--macos-floor"]:
+        print(MACOS_FLOOR)
+        return
     out_dir = Path(argv[1])
     want_lib = "--metallib" in argv
     sources = sorted(METAL.glob("*.metal"))
@@ -71,7 +128,10 @@ def main(argv):
     lib = None
     if want_lib:
         with tempfile.TemporaryDirectory() as tmp:
-            lib = build_metallib(sources, Path(tmp))
+            try:
+                lib = build_metallib(sources, Path(tmp))
+            except MetalCompileError as e:
+                sys.exit(str(e))
     if lib:
         data = ",".join(str(b) for b in lib)
         parts.append(f"static const unsigned char kMarlinMetallib[] = {{{data}}};")

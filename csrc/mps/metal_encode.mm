@@ -1,11 +1,14 @@
 // The only Objective-C++ of torch_marlin: pipeline cache and command encoding
 // of a metal::Plan (whose buffers run_plan.cpp resolved) onto PyTorch's current MPS stream, the way PyTorch's own
 // MPS ops encode (aten/src/ATen/native/mps): getCurrentMPSStream(),
-// dispatch_sync_with_rethrow on its serial queue, its commandEncoder(),
+// a synchronous dispatch on its serial queue, its commandEncoder(),
 // buffers bound with the tensors' storage offsets. No commit or wait here:
-// the stream commits when PyTorch synchronizes.
+// the stream commits when PyTorch synchronizes. Decisions (supported Macs,
+// threadgroup sizes) are C++ in csrc/core/metal_plan.cpp; this file only
+// reads what Metal reports and encodes.
 #include <ATen/mps/MPSStream.h>
 
+#include <exception>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -32,6 +35,44 @@ id<MTLBuffer> buffer_of(const at::Tensor& t) {
 
 std::string describe(NSError* error) {
   return error ? std::string([[error localizedDescription] UTF8String]) : std::string("unknown error");
+}
+
+// at::mps::dispatch_sync_with_rethrow exists only from torch 2.10 (the package
+// admits 2.6): dispatch_sync, with a C++ exception thrown in the block
+// rethrown on the calling thread instead of terminating the process.
+void dispatch_sync_with_rethrow(dispatch_queue_t queue, void (^block)()) {
+  __block std::exception_ptr error;
+  dispatch_sync(queue, ^() {
+    try {
+      block();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  });
+  if (error) std::rethrow_exception(error);
+}
+
+// The floor check at first use (metal::metal_support_problem decides).
+void check_metal_support(id<MTLDevice> device) {
+  static const std::string problem = [device] {
+    const NSOperatingSystemVersion v = [[NSProcessInfo processInfo] operatingSystemVersion];
+    return metal::metal_support_problem(v.majorVersion, v.minorVersion, [device supportsFamily:MTLGPUFamilyApple7]);
+  }();
+  TORCH_CHECK(problem.empty(), problem);
+}
+
+// Safe math, as the kernels and the tests assume: Metal compiles with fast
+// math unless told otherwise, which may reassociate `(raw - 1024) - zero`
+// (uint4) and flush the half subnormal that the fp4 decode makes of +-0.5.
+MTLCompileOptions* compile_options() {
+  MTLCompileOptions* options = [MTLCompileOptions new];
+  options.languageVersion = MTLLanguageVersion3_1;  // bfloat
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+  } else {
+    options.fastMathEnabled = NO;
+  }
+  return options;
 }
 
 class PipelineCache {
@@ -63,27 +104,29 @@ class PipelineCache {
     TORCH_CHECK(function, "torch_marlin: Metal function ", launch.kernel, " not found: ", describe(error));
     id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function error:&error];
     TORCH_CHECK(state, "torch_marlin: cannot build the pipeline of ", launch.kernel, ": ", describe(error));
-    const int64_t threads = launch.threadgroup[0] * launch.threadgroup[1] * launch.threadgroup[2];
-    TORCH_CHECK(int64_t([state maxTotalThreadsPerThreadgroup]) >= threads, "torch_marlin: ", launch.kernel,
-                " supports ", [state maxTotalThreadsPerThreadgroup], " threads per threadgroup, the plan needs ",
-                threads);
+    metal::check_simd_width(launch.kernel, int64_t([state threadExecutionWidth]));
     pipelines_.emplace(key, state);
     return state;
   }
 
  private:
-  // One library for everything when a metallib was embedded, else one
-  // compiled from source per metal/<source>.metal at first use.
+  // One library for everything when a metallib was embedded and this Mac
+  // loads it, else one compiled from source per metal/<source>.metal at
+  // first use.
   id<MTLLibrary> library_for(id<MTLDevice> device, const std::string& source) {
-    if (kMarlinMetallibSize > 0) {
+    if (kMarlinMetallibSize > 0 && !metallib_failed_) {
       if (!metallib_) {
         dispatch_data_t data = dispatch_data_create(kMarlinMetallib, kMarlinMetallibSize, nullptr,
                                                     DISPATCH_DATA_DESTRUCTOR_DEFAULT);
         NSError* error = nil;
         metallib_ = [device newLibraryWithData:data error:&error];
-        TORCH_CHECK(metallib_, "torch_marlin: cannot load the embedded metallib: ", describe(error));
+        if (!metallib_) {
+          metallib_failed_ = true;
+          TORCH_WARN("torch_marlin: the embedded metallib does not load here (", describe(error),
+                     "); compiling the Metal sources instead");
+        }
       }
-      return metallib_;
+      if (metallib_) return metallib_;
     }
     auto it = libraries_.find(source);
     if (it != libraries_.end()) return it->second;
@@ -91,11 +134,9 @@ class PipelineCache {
     for (const auto& s : kMarlinMetalSources)
       if (source == s.name) text = s.text;
     TORCH_CHECK(text, "torch_marlin: no embedded Metal source '", source, "'");
-    MTLCompileOptions* options = [MTLCompileOptions new];
-    options.languageVersion = MTLLanguageVersion3_1;  // bfloat
     NSError* error = nil;
     id<MTLLibrary> library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
-                                                  options:options
+                                                  options:compile_options()
                                                     error:&error];
     TORCH_CHECK(library, "torch_marlin: compiling metal/", source, ".metal failed: ", describe(error));
     libraries_.emplace(source, library);
@@ -104,6 +145,7 @@ class PipelineCache {
 
   std::mutex mutex_;
   id<MTLLibrary> metallib_ = nil;
+  bool metallib_failed_ = false;
   std::unordered_map<std::string, id<MTLLibrary>> libraries_;
   std::unordered_map<std::string, id<MTLComputePipelineState>> pipelines_;
 };
@@ -113,14 +155,21 @@ class PipelineCache {
 void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers) {
   at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
   id<MTLDevice> device = stream->device();
-  // Pipelines first (may compile), outside the stream's queue.
+  check_metal_support(device);
+  // Pipelines first (may compile), outside the stream's queue; each launch
+  // sized to what its pipeline allows.
   std::vector<id<MTLComputePipelineState>> states;
-  for (const metal::Launch& l : plan.launches) states.push_back(PipelineCache::get().pipeline(device, l));
+  std::vector<std::array<int64_t, 3>> threadgroups;
+  for (const metal::Launch& l : plan.launches) {
+    states.push_back(PipelineCache::get().pipeline(device, l));
+    threadgroups.push_back(metal::fit_threadgroup(l, int64_t([states.back() maxTotalThreadsPerThreadgroup])));
+  }
 
   const metal::Plan* p = &plan;
   const LaunchBuffers* t = &buffers;
   const std::vector<id<MTLComputePipelineState>>* s = &states;
-  at::mps::dispatch_sync_with_rethrow(stream->queue(), ^() {
+  const std::vector<std::array<int64_t, 3>>* tg = &threadgroups;
+  dispatch_sync_with_rethrow(stream->queue(), ^() {
     @autoreleasepool {
       id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
       for (size_t i = 0; i < p->launches.size(); ++i) {
@@ -140,8 +189,9 @@ void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers) {
         }
         if (l.threadgroup_memory > 0)
           [encoder setThreadgroupMemoryLength:(NSUInteger)l.threadgroup_memory atIndex:0];
+        const std::array<int64_t, 3>& threads = (*tg)[i];
         [encoder dispatchThreadgroups:MTLSizeMake(l.grid[0], l.grid[1], l.grid[2])
-                threadsPerThreadgroup:MTLSizeMake(l.threadgroup[0], l.threadgroup[1], l.threadgroup[2])];
+                threadsPerThreadgroup:MTLSizeMake(threads[0], threads[1], threads[2])];
       }
     }
   });

@@ -24,4 +24,4 @@ def pytest_collection_modifyitems(config, items):
 
 
 # Test files that do not run kernels on the emulator.
-_NO_EMULATOR = {"test_metal_mps.py", "test_metal_mm_syntax.py"}
+_NO_EMULATOR = {"test_metal_mps.py", "test_metal_mm_syntax.py", "test_embed_metal.py"}

@@ -16,7 +16,7 @@ import json
 import os
 import threading
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -87,7 +87,20 @@ def metal_plan(op_name: str, *args, **kwargs) -> dict:
     return json.loads(getattr(torch.ops.marlin, f"_metal_plan_{op_name}")(**b))
 
 
+def launch_threadgroup(launch: dict, max_threads_per_threadgroup: Optional[int] = None) -> List[int]:
+    """The threadgroup the MPS bridge dispatches `launch` (a plan's launch) with
+    on a pipeline allowing at most `max_threads_per_threadgroup` threads (None:
+    no limit): the planned one, or one shrunk by the bridge's own C++ rule
+    (torch.ops.marlin._metal_fit_threadgroup); raises its error if the kernel
+    cannot run within the limit."""
+    if max_threads_per_threadgroup is None:
+        return list(launch["threadgroup"])
+    return list(torch.ops.marlin._metal_fit_threadgroup(launch["kernel"], launch["threadgroup"],
+                                                         launch["min_threads_x"], max_threads_per_threadgroup))
+
+
 def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: int = 0,
+                         max_threads_per_threadgroup: Optional[int] = None,
                          **kwargs) -> Tuple[torch.Tensor, dict, List[Any]]:
     """run_metal, also returning the plan and each launch's mslsim LaunchStats."""
     b = _bind(op_name, args, kwargs)
@@ -109,17 +122,24 @@ def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: in
         bind = {index: value if role == "scalar" else tensors[role] for index, role, value in launch["bindings"]}
         tg_mem = {0: launch["threadgroup_memory"]} if launch["threadgroup_memory"] else {}
         consts = {int(i): v for i, v in launch["constants"].items()}
+        threadgroup = launch_threadgroup(launch, max_threads_per_threadgroup)
         stats.append(lib.launch(launch["kernel"], grid=tuple(launch["grid"]),
-                                threadgroup=tuple(launch["threadgroup"]), args=bind,
+                                threadgroup=tuple(threadgroup), args=bind,
                                 threadgroup_memory=tg_mem, constants=consts,
                                 schedule=schedule, seed=seed))
     out = tensors[plan["outputs"][0]["name"]]
     return out.view(plan["result_shape"]), plan, stats
 
 
-def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0, **kwargs) -> torch.Tensor:
-    """torch.ops.marlin.<op_name>(*args, **kwargs) through its Metal dispatch, on the emulator."""
-    return run_metal_with_stats(op_name, *args, schedule=schedule, seed=seed, **kwargs)[0]
+def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0,
+              max_threads_per_threadgroup: Optional[int] = None, **kwargs) -> torch.Tensor:
+    """torch.ops.marlin.<op_name>(*args, **kwargs) through its Metal dispatch, on the emulator.
+
+    max_threads_per_threadgroup: run as on a GPU whose pipelines allow at most
+    this many threads per threadgroup (Metal's maxTotalThreadsPerThreadgroup):
+    the launches are sized by the MPS bridge's rule (launch_threadgroup)."""
+    return run_metal_with_stats(op_name, *args, schedule=schedule, seed=seed,
+                                max_threads_per_threadgroup=max_threads_per_threadgroup, **kwargs)[0]
 
 
-__all__ = ["metal_dir", "library", "metal_plan", "run_metal", "run_metal_with_stats"]
+__all__ = ["metal_dir", "library", "metal_plan", "launch_threadgroup", "run_metal", "run_metal_with_stats"]

@@ -4,6 +4,7 @@
 #include <stdint.h>
 
 #include <dispatch/dispatch.h>
+#include <os/availability.h>
 
 // <objc/objc.h>
 #ifndef nil
@@ -43,4 +44,17 @@ __attribute__((objc_root_class))
 @end
 
 @interface NSDictionary<KeyType, ObjectType> : NSObject
+@end
+
+// NSProcessInfo.h
+typedef struct {
+  NSInteger majorVersion;
+  NSInteger minorVersion;
+  NSInteger patchVersion;
+} NSOperatingSystemVersion;
+
+@interface NSProcessInfo : NSObject
+@property(class, readonly, strong) NSProcessInfo* _Nonnull processInfo;
+@property(readonly) NSOperatingSystemVersion operatingSystemVersion
+    API_AVAILABLE(macos(10.10), ios(8.0), watchos(2.0), tvos(9.0));
 @end

@@ -1,6 +1,8 @@
 // Stub of <Metal/Metal.h>: see ../README.md. Declarations as in Apple's
 // MTLDevice.h, MTLLibrary.h, MTLComputePipeline.h, MTLComputeCommandEncoder.h,
-// MTLArgument.h (MTLDataType), MTLTypes.h (MTLSize).
+// MTLCommandQueue.h, MTLArgument.h (MTLDataType), MTLTypes.h (MTLSize), with
+// their availability attributes (macOS 15 SDK) where one matters above the
+// package's macOS floor.
 #pragma once
 #include <Foundation/Foundation.h>
 
@@ -21,9 +23,23 @@ typedef NS_ENUM(NSUInteger, MTLDataType){
 };
 
 typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
-    MTLLanguageVersion3_0 = (3 << 16),
-    MTLLanguageVersion3_1 = (3 << 16) + 1,
+    MTLLanguageVersion3_0 API_AVAILABLE(macos(13.0), ios(16.0)) = (3 << 16),
+    MTLLanguageVersion3_1 API_AVAILABLE(macos(14.0), ios(17.0)) = (3 << 16) + 1,
+    MTLLanguageVersion3_2 API_AVAILABLE(macos(15.0), ios(18.0)) = (3 << 16) + 2,
+} API_AVAILABLE(macos(10.11), ios(9.0));
+
+typedef NS_ENUM(NSInteger, MTLMathMode){
+    MTLMathModeSafe = 0,
+    MTLMathModeRelaxed = 1,
+    MTLMathModeFast = 2,
 };
+
+typedef NS_ENUM(NSInteger, MTLGPUFamily){
+    MTLGPUFamilyApple7 = 1007,
+    MTLGPUFamilyApple8 = 1008,
+    MTLGPUFamilyApple9 = 1009,
+    MTLGPUFamilyMetal3 = 5001,
+} API_AVAILABLE(macos(10.15), ios(13.0));
 
 @protocol MTLDevice;
 @protocol MTLFunction;
@@ -46,7 +62,10 @@ typedef NS_ENUM(NSUInteger, MTLLanguageVersion){
 @end
 
 @interface MTLCompileOptions : NSObject
-@property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
+@property(readwrite, nonatomic) BOOL fastMathEnabled
+    API_DEPRECATED("Use mathMode instead", macos(10.11, 15.0), ios(8.0, 18.0));
+@property(readwrite, nonatomic) MTLMathMode mathMode API_AVAILABLE(macos(15.0), ios(18.0));
+@property(readwrite, nonatomic) MTLLanguageVersion languageVersion API_AVAILABLE(macos(10.11), ios(9.0));
 @end
 
 @protocol MTLLibrary <NSObject>
@@ -79,6 +98,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer> _Nonnull);
 @end
 
 @protocol MTLCommandQueue <NSObject>
+@property(readonly) id<MTLDevice> _Nonnull device;
 @end
 
 @protocol MTLEvent <NSObject>
@@ -89,6 +109,7 @@ typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer> _Nonnull);
 
 @protocol MTLDevice <NSObject>
 @property(nonnull, readonly) NSString* name;
+- (BOOL)supportsFamily:(MTLGPUFamily)gpuFamily API_AVAILABLE(macos(10.15), ios(13.0));
 - (nullable id<MTLLibrary>)newLibraryWithSource:(NSString* _Nonnull)source
                                         options:(nullable MTLCompileOptions*)options
                                           error:(__autoreleasing NSError* _Nullable* _Nullable)error;
