@@ -25,9 +25,9 @@ namespace {
 constexpr int kSparseChunkWords = 8;          // gemv: values rows per pass (128 K rows)
 constexpr int32_t kFillMetadata = 0x44444444;  // (0, 1) in every block: pads tail columns
 
-inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int width) {
+inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int width, int32_t fill) {
   memcpy(dst, src, count * sizeof(int32_t));
-  for (int64_t i = count; i < width; ++i) dst[i] = kFillMetadata;
+  for (int64_t i = count; i < width; ++i) dst[i] = fill;
 }
 
 // Nonzero lanes: a nibble of the metadata word is not pos0 < pos1.
@@ -77,6 +77,22 @@ inline v8f gather(const XBlock& xb, const SlotIndex& s) {
 }
 #endif
 
+// The metadata code: how a values row finds the positions of its 8 slots.
+// The layout's code (docs/FORMAT.md) is a nibble pos0 | pos1 << 2 per block,
+// so half r % 2 of metadata word r / 2 is values row r's positions, slot s
+// at bits 2s..2s+1. (The GEMV takes the code as a template argument so that
+// benchmarks/sparse_metadata_code.py can time a denser code in the same kernel.)
+struct NibbleMetadata {
+  static constexpr int kRowsPerWord = 2;  // values rows per metadata word
+  static constexpr int32_t kFill = kFillMetadata;  // a valid word for padded columns
+  // Positions of values row `part` (0..kRowsPerWord-1) of metadata word vector m;
+  // `bad` collects invalid patterns (checked once per word, with part 0).
+  static inline v8i positions(v8i m, int part, v8u& bad) {
+    if (part == 0) bad |= metadata_invalid(m);
+    return (v8i)((v8u)m >> (16 * part));
+  }
+};
+
 // ---------------------------------------------------------------------------
 // GEMV
 
@@ -85,9 +101,9 @@ struct SparseGemvChunk {
   int64_t ldx;           // row stride of x
   const int32_t* w;      // values row r0, first column of the strip
   int64_t ldw;           // values row stride (N, or kStrip for a padded copy)
-  const int32_t* meta;   // metadata row r0 / 2, same column
+  const int32_t* meta;   // metadata row r0 / R, same column (R = values rows per metadata word)
   int64_t ldm;
-  int half0;             // r0 % 2: values row r of the chunk reads metadata row (half0 + r) / 2, half (half0 + r) % 2
+  int phase;             // r0 % R: values row r of the chunk is part (phase + r) % R of metadata row (phase + r) / R
   int words;             // values rows in this chunk
   bool first, last;      // chunk starts / ends its group
   const float* scale;
@@ -97,22 +113,21 @@ struct SparseGemvChunk {
 };
 
 // Rows [0, MR) of the block, columns [col, col + 8 * NV) of the strip.
-template <int F, int MR, int NV>
+template <class Meta, int F, int MR, int NV>
 inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
   v8f p[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) p[i][v] = c.first ? v8f{} : load8(c.part + i * kStrip + col + 8 * v);
   v8u bad = {};
   for (int r = 0; r < c.words; ++r) {
-    const int h = c.half0 + r;
+    const int h = c.phase + r;
     GemvWords w[NV];
     v8i meta[NV];
     v8f zero[NV];
     for (int v = 0; v < NV; ++v) {
       w[v] = gemv_prepare<F>(load8(c.w + r * c.ldw + col + 8 * v));
-      const v8i m = load8(c.meta + (h >> 1) * c.ldm + col + 8 * v);
-      if (!(h & 1)) bad |= metadata_invalid(m);  // each metadata word once, with its even values row
-      meta[v] = (v8i)((v8u)m >> (16 * (h & 1)));
+      const v8i m = load8(c.meta + (h / Meta::kRowsPerWord) * c.ldm + col + 8 * v);
+      meta[v] = Meta::positions(m, h % Meta::kRowsPerWord, bad);
       zero[v] = F == kFormatUint4 ? load8(c.zero + col + 8 * v) : v8f{};
     }
     const float* x = c.x + 16 * r;
@@ -152,25 +167,25 @@ constexpr int kSparseGemvBlockRows = 4;
 template <int MR>
 constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX2 ? (MR == 1 ? 4 : 2) : (MR <= 2 ? 2 : 1);
 
-template <int F, int MR>
+template <class Meta, int F, int MR>
 inline v8u sparse_gemv_block(const SparseGemvChunk& c, int cols) {
   constexpr int NV = kSparseGemvVectors<MR>;
   v8u bad = {};
-  for (int col = 0; col < cols; col += 8 * NV) bad |= sparse_gemv_micro<F, MR, NV>(c, col);
+  for (int col = 0; col < cols; col += 8 * NV) bad |= sparse_gemv_micro<Meta, F, MR, NV>(c, col);
   return bad;
 }
 
-template <int F>
+template <class Meta, int F>
 v8u sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
   v8u bad = {};
   for (int i = 0; i < rows;) {
     const int left = rows - i, blocks = (left + kSparseGemvBlockRows - 1) / kSparseGemvBlockRows;
     const int mr = (left + blocks - 1) / blocks;  // balanced blocks
     switch (mr) {
-      case 1: bad |= sparse_gemv_block<F, 1>(c, cols); break;
-      case 2: bad |= sparse_gemv_block<F, 2>(c, cols); break;
-      case 3: bad |= sparse_gemv_block<F, 3>(c, cols); break;
-      default: bad |= sparse_gemv_block<F, 4>(c, cols); break;
+      case 1: bad |= sparse_gemv_block<Meta, F, 1>(c, cols); break;
+      case 2: bad |= sparse_gemv_block<Meta, F, 2>(c, cols); break;
+      case 3: bad |= sparse_gemv_block<Meta, F, 3>(c, cols); break;
+      default: bad |= sparse_gemv_block<Meta, F, 4>(c, cols); break;
     }
     c.x += mr * c.ldx;
     c.part += mr * kStrip;
@@ -181,15 +196,16 @@ v8u sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
 }
 
 // out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one strip of kStrip columns at a time.
-template <int F>
+template <class Meta, int F>
 v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  constexpr int R = Meta::kRowsPerWord;
   const int rows = int(m1 - m0);
   const int64_t group_words = a.group_rows / kSparseValueRows;  // values rows per group (g16: one)
   alignas(32) float acc[kMaxRows * kStrip], part[kMaxRows * kStrip];
   alignas(32) float scale[kStrip], zero[kStrip];
   // Padded copies for tail strips and re-read weights (as the dense gemv).
   alignas(64) int32_t padded[kSparseChunkWords * kStrip];
-  alignas(64) int32_t padded_meta[(kSparseChunkWords / 2 + 1) * kStrip];
+  alignas(64) int32_t padded_meta[(kSparseChunkWords / R + 2) * kStrip];
   alignas(64) float xbuf[kMaxRows * kSparseChunkWords * kSparseValueRows];
   v8u bad = {};
   for (int64_t nb = n0; nb < n1; nb += kStrip) {
@@ -211,8 +227,8 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
         c.words = int(group_words - w0 < kSparseChunkWords ? group_words - w0 : kSparseChunkWords);
         c.first = w0 == 0;
         c.last = w0 + c.words == group_words;
-        c.half0 = int(r0 & 1);
-        const int64_t meta0 = r0 >> 1, meta_rows = ((r0 + c.words - 1) >> 1) - meta0 + 1;
+        c.phase = int(r0 % R);
+        const int64_t meta0 = r0 / R, meta_rows = (r0 + c.words - 1) / R - meta0 + 1;
         for (int i = 0; i < rows; ++i)
           memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + kSparseValueRows * r0,
                  c.words * kSparseValueRows * sizeof(float));
@@ -224,20 +240,20 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
           const int64_t next = r0 + c.words, value_rows = a.k / kSparseValueRows;
           for (int64_t r = next; r < next + kSparseChunkWords && r < value_rows; ++r) {
             for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.packed + r * a.n + nb + l);
-            if (!(r & 1))
-              for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.metadata + (r >> 1) * a.n + nb + l);
+            if (r % R == 0)
+              for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.metadata + (r / R) * a.n + nb + l);
           }
         } else {
           for (int r = 0; r < c.words; ++r)
             copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
           for (int64_t r = 0; r < meta_rows; ++r)
-            copy_metadata(padded_meta + r * kStrip, a.metadata + (meta0 + r) * a.n + nb, cols, kStrip);
+            copy_metadata(padded_meta + r * kStrip, a.metadata + (meta0 + r) * a.n + nb, cols, kStrip, Meta::kFill);
           c.w = padded;
           c.ldw = kStrip;
           c.meta = padded_meta;
           c.ldm = kStrip;
         }
-        bad |= sparse_gemv_rows<F>(c, rows, vcols);
+        bad |= sparse_gemv_rows<Meta, F>(c, rows, vcols);
       }
     }
     for (int i = 0; i < rows; ++i)
@@ -279,7 +295,7 @@ v8u sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t
     const int32_t* msrc = a.metadata + (r >> 1) * a.n + nb;
     if (cols < kTileCols) {
       copy_words(words, src, cols, kTileCols);
-      copy_metadata(metas, msrc, cols, kTileCols);
+      copy_metadata(metas, msrc, cols, kTileCols, kFillMetadata);
       src = words;
       msrc = metas;
     }
@@ -347,9 +363,9 @@ uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0
   for (int64_t m = m0; m < m1; m += kMaxRows) {
     const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
     switch (a.format) {
-      case kFormatFp4: bad |= sparse_gemv_impl<kFormatFp4>(a, m, e, n0, n1); break;
-      case kFormatInt4: bad |= sparse_gemv_impl<kFormatInt4>(a, m, e, n0, n1); break;
-      default: bad |= sparse_gemv_impl<kFormatUint4>(a, m, e, n0, n1); break;
+      case kFormatFp4: bad |= sparse_gemv_impl<NibbleMetadata, kFormatFp4>(a, m, e, n0, n1); break;
+      case kFormatInt4: bad |= sparse_gemv_impl<NibbleMetadata, kFormatInt4>(a, m, e, n0, n1); break;
+      default: bad |= sparse_gemv_impl<NibbleMetadata, kFormatUint4>(a, m, e, n0, n1); break;
     }
   }
   return any_lane(bad);
