@@ -162,10 +162,11 @@ inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
 }
 
 // Register blocks: accumulators, values, indices and x of MR x NV fit the
-// 16 AVX2 registers (the portable build has two registers per vector).
-constexpr int kSparseGemvBlockRows = 4;
+// 16 AVX2 registers; at least 4 independent accumulators per slot cover the
+// FMA latency (the portable build has two registers per vector).
+constexpr int kSparseGemvBlockRows = MARLIN_KERNEL_AVX2 ? 6 : 4;
 template <int MR>
-constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX2 ? (MR == 1 ? 4 : 2) : (MR <= 2 ? 2 : 1);
+constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX2 ? (MR <= 4 ? 2 : 1) : (MR <= 2 ? 2 : 1);
 
 template <class Meta, int F, int MR>
 inline v8u sparse_gemv_block(const SparseGemvChunk& c, int cols) {
@@ -185,7 +186,9 @@ v8u sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
       case 1: bad |= sparse_gemv_block<Meta, F, 1>(c, cols); break;
       case 2: bad |= sparse_gemv_block<Meta, F, 2>(c, cols); break;
       case 3: bad |= sparse_gemv_block<Meta, F, 3>(c, cols); break;
-      default: bad |= sparse_gemv_block<Meta, F, 4>(c, cols); break;
+      case 4: bad |= sparse_gemv_block<Meta, F, 4>(c, cols); break;
+      case 5: bad |= sparse_gemv_block<Meta, F, 5>(c, cols); break;
+      default: bad |= sparse_gemv_block<Meta, F, 6>(c, cols); break;
     }
     c.x += mr * c.ldx;
     c.part += mr * kStrip;
