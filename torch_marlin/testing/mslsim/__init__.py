@@ -22,12 +22,13 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
-from . import _frontend
+from . import _frontend, _strict
 
-__all__ = ["compile", "Library", "LaunchStats", "MSLSimError", "MAX_THREADGROUP_MEMORY", "MAX_THREADS_PER_THREADGROUP",
-           "cache_dir"]
+__all__ = ["compile", "Library", "LaunchStats", "MSLSimError", "MSLSimWarning", "MAX_THREADGROUP_MEMORY",
+           "MAX_THREADS_PER_THREADGROUP", "cache_dir"]
 
 MAX_THREADGROUP_MEMORY = 32768
 MAX_THREADS_PER_THREADGROUP = 1024
@@ -44,11 +45,20 @@ _CXXFLAGS = ["-std=c++17", "-O2", "-g1", "-fPIC", "-ffp-contract=off", "-fno-str
 if sys.platform.startswith("linux"):
     # probe every stack page of big frames so a fiber stack overflow always hits the guard page
     _CXXFLAGS.append("-fstack-clash-protection")
+# Race detection: ThreadSanitizer's compiler instrumentation only (a hook call before every load and
+# store, defined in prelude.h; no TSan runtime is linked), without function entry / exit hooks.
+_TSAN_GCC = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
+_TSAN_CLANG = ["-fsanitize=thread"] + [f for o in ("func-entry-exit", "atomics", "memintrinsics")
+                                        for f in ("-mllvm", f"-tsan-instrument-{o}=0")]
 _RT_FLAGS = ["-std=c++17", "-O2", "-fPIC", "-shared", "-w"]
 
 
 class MSLSimError(RuntimeError):
-    """Any error of the emulator: bad launch, compile error, kernel fault."""
+    """Any error of the emulator: bad launch, compile error, kernel fault, code Metal rejects, a race."""
+
+
+class MSLSimWarning(UserWarning):
+    """The strict pass could not run (no suitable clang); see docs/MSLSIM.md."""
 
 
 def cache_dir() -> str:
@@ -80,6 +90,10 @@ def _compiler_id(cxx) -> str:
             raise MSLSimError(f"C++ compiler {' '.join(cxx)!r} does not work: {e}") from None
         _compiler_id_cache[key] = " ".join(cxx) + "\n" + out
     return _compiler_id_cache[key]
+
+
+def _kernel_flags(cxx) -> list:
+    return _CXXFLAGS + (_TSAN_CLANG if "clang version" in _compiler_id(cxx) else _TSAN_GCC)
 
 
 def _read(p) -> bytes:
@@ -144,6 +158,7 @@ class _LaunchArgs(ctypes.Structure):
         ("nworkers", ctypes.c_int32),
         ("stack_size", ctypes.c_uint64),
         ("timeout_ms", ctypes.c_uint64),
+        ("check_races", ctypes.c_int32),
     ]
 
 
@@ -282,7 +297,7 @@ class Library:
 
     def launch(self, name, grid=(1, 1, 1), threadgroup=(1, 1, 1), args=None, threadgroup_memory=None,
                constants=None, schedule="random", seed=0, workers=None, stack_size=None,
-               timeout=None) -> LaunchStats:
+               timeout=None, check_races=True) -> LaunchStats:
         import torch
         if name not in self._kernels:
             raise MSLSimError(f"unknown kernel {name!r}; available kernels: {', '.join(self._kernels) or '(none)'}")
@@ -416,6 +431,7 @@ class Library:
         if timeout is None:
             timeout = float(os.environ.get("TORCH_MARLIN_MSLSIM_TIMEOUT", "600") or 0)
         la.timeout_ms = int(max(0.0, float(timeout)) * 1000)
+        la.check_races = 1 if check_races else 0
         err = ctypes.create_string_buffer(8192)
         stats = _LaunchStatsC()
         rt = _runtime()
@@ -440,25 +456,22 @@ class Library:
 
 
 def _symbolize(msg: str) -> str:
-    """Replace a runtime "[pc lib.so+0xOFF]" tag by the kernel source line (addr2line)."""
-    m = re.search(r" \[pc (.+?)\+0x([0-9a-fA-F]+)\]", msg)
-    if not m:
-        return msg
-    where = ""
+    """Replace each runtime "[pc lib.so+0xOFF]" tag by the kernel source line (addr2line)."""
+    return re.sub(r" \[pc (.+?)\+0x([0-9a-fA-F]+)\]", lambda m: _source_line(m.group(1), m.group(2)), msg)
+
+
+def _source_line(lib: str, offset: str) -> str:
     a2l = shutil.which("addr2line")
-    if a2l and os.path.basename(m.group(1)).startswith("k-"):
-        try:
-            r = subprocess.run([a2l, "-i", "-e", m.group(1), "0x" + m.group(2)], capture_output=True, text=True,
-                               timeout=20)
-            locs = [ln.strip() for ln in r.stdout.splitlines() if ":" in ln and not ln.startswith("??")]
-            cdir = cache_dir()
-            mine = [ln for ln in locs if _INCLUDE not in ln and "<mslsim-generated>" not in ln
-                    and not ln.startswith(cdir)]
-            if mine:
-                where = " at " + re.sub(r" \(discriminator \d+\)", "", mine[0])
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return msg[:m.start()] + where + msg[m.end():]
+    if not a2l or not os.path.basename(lib).startswith("k-"):
+        return ""
+    try:
+        r = subprocess.run([a2l, "-i", "-e", lib, "0x" + offset], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    locs = [ln.strip() for ln in r.stdout.splitlines() if ":" in ln and not ln.startswith("??")]
+    cdir = cache_dir()
+    mine = [ln for ln in locs if _INCLUDE not in ln and "<mslsim-generated>" not in ln and not ln.startswith(cdir)]
+    return " at " + re.sub(r" \(discriminator \d+\)", "", mine[0]) if mine else ""
 
 
 _lib_cache = {}
@@ -471,8 +484,13 @@ def _looks_like_path(source) -> bool:
     return isinstance(source, str) and "\n" not in source and len(source) < 4096 and os.path.isfile(source)
 
 
-def compile(source, include_dirs=(), defines=None) -> Library:  # noqa: A001 - API name
-    """Compile MSL (a path or source text) for the CPU emulator; cached on disk."""
+def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # noqa: A001 - API name
+    """Compile MSL (a path or source text) for the CPU emulator; cached on disk.
+
+    strict: check the source against what Apple's Metal compiler rejects (docs/MSLSIM.md): True requires
+    the check, False skips it, None (default) runs it, and without a suitable clang warns and runs only the
+    checks that need no clang (an error under CI, i.e. with $CI set).
+    """
     cxx = _cxx()
     if _looks_like_path(source):
         path = os.path.abspath(os.fspath(source))
@@ -494,54 +512,123 @@ def compile(source, include_dirs=(), defines=None) -> Library:  # noqa: A001 - A
             v = int(v)
         dflags.append(f"-D{k}" if v is None else f"-D{k}={v}")
     incs = [f"-I{d}" for d in list(base_dir) + [os.fspath(d) for d in include_dirs]]
-    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL__=1", "-D__METAL_VERSION__=310", "-D__METAL_MACOS__=1",
-                    "-D__HAVE_BFLOAT__=1", "-DMSLSIM=1", f"-I{_INCLUDE}"] + incs + dflags + ["-"]
+    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL__=1", "-D__METAL_VERSION__=310",
+                    "-D__METAL_MACOS__=1", "-D__HAVE_BFLOAT__=1", "-DMSLSIM=1", f"-I{_INCLUDE}"] + incs + dflags + ["-"]
     r = subprocess.run(pp_cmd, input=text, capture_output=True, text=True)
     if r.returncode != 0:
         raise MSLSimError(f"preprocessing {name} failed:\n{r.stderr[-6000:]}")
     pp = r.stdout.replace('"<stdin>"', '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"')
+    flags = _kernel_flags(cxx)
     h = hashlib.sha256()
     h.update(pp.encode())
     for p in sorted(os.listdir(os.path.join(_INCLUDE, "mslsim"))):
         h.update(p.encode())
         h.update(_read(os.path.join(_INCLUDE, "mslsim", p)))
     h.update(_read(os.path.join(_PKG, "_frontend.py")))
-    h.update(" ".join(_CXXFLAGS).encode())
+    h.update(" ".join(flags).encode())
     h.update(_compiler_id(cxx).encode())
     key = h.hexdigest()[:32]
+    check = strict is not False
     with _lib_cache_lock:
-        if key in _lib_cache:
+        if key in _lib_cache and (not check or key in _strict_done):
             return _lib_cache[key]
+    if check:
+        errors = _strict.restriction_errors(pp, _INCLUDE)
+        if errors:
+            raise MSLSimError(_rejected(name, errors))
     try:
-        parsed = _frontend.parse(pp)
+        parsed = _frontend.parse(pp, strict=check)
     except _frontend.FrontendError as e:
-        raise MSLSimError(f"{name}: {e}") from None
+        raise MSLSimError(str(e) if str(e).startswith(name + ":") else f"{name}: {e}") from None
     except ValueError as e:  # unbalanced / truncated constructs
         raise MSLSimError(f"{name}: cannot parse the kernel source ({e})") from None
     d = cache_dir()
+    strict_job = strict_ok = None
+    if check:
+        clang, clang_id = _strict_clang(strict)
+        if clang:
+            strict_ok = os.path.join(d, f"s-{_strict.cache_key(pp, clang_id)}.ok")
+            if not os.path.exists(strict_ok):  # runs next to the C++ compile below
+                strict_job = _strict.start(_strict.strict_unit(parsed), clang, d)
     so = os.path.join(d, f"k-{key}.so")
-    _runtime()
-    if not os.path.exists(so):
-        gen = _frontend.generate(parsed, _PRELUDE, _KEYWORDS)
-        fd, cpp = tempfile.mkstemp(suffix=".cpp", prefix=f"k-{key}-", dir=d)
-        with os.fdopen(fd, "w") as f:
-            f.write(gen)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
-        os.close(fd)
-        cmd = cxx + _CXXFLAGS + ["-shared", f"-I{_INCLUDE}", "-o", tmp, cpp] + _link_flags()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            kept = os.path.join(d, f"k-{key}.failed.cpp")
-            os.replace(cpp, kept)
-            msg = _summarize_errors(r.stderr)
-            raise MSLSimError(f"compiling {name} failed (generated C++ kept at {kept}):\n{msg}")
-        _atomic_write_from(tmp, so)
-        os.replace(cpp, os.path.join(d, f"k-{key}.cpp"))
-    lib = Library(so, parsed, name)
+    build_error = None
+    try:
+        _runtime()
+        if not os.path.exists(so):
+            _build(parsed, key, name, cxx, flags, so)
+    except MSLSimError as e:
+        build_error = e
+    except BaseException:
+        if strict_job:
+            _strict.cancel(strict_job)
+        raise
+    errors = _strict.finish(strict_job) if strict_job else []
+    if errors:  # more precise than the C++ compiler's view of the same code
+        raise MSLSimError(_rejected(name, errors)) from None
+    if build_error:
+        raise build_error
+    if strict_job:
+        with open(strict_ok, "w"):
+            pass
     with _lib_cache_lock:
-        _lib_cache[key] = lib
+        if check and strict_ok:
+            _strict_done.add(key)
+        lib = _lib_cache.get(key)
+        if lib is None:
+            lib = _lib_cache[key] = Library(so, parsed, name)
     return lib
+
+
+_strict_done = set()
+_warned = set()
+
+
+def _rejected(name, errors) -> str:
+    shown = errors[:20] + ([f"... and {len(errors) - 20} more"] if len(errors) > 20 else [])
+    return (f"{name}: Apple's Metal compiler rejects this source (mslsim strict check; compile(strict=False) "
+            "skips it):\n" + "\n".join(shown))
+
+
+def _strict_clang(strict):
+    """clang for the strict pass, or (None, None) after a warning; an error if required (strict=True, CI)."""
+    clang, info = _strict.find_clang()
+    if clang:
+        return clang, info
+    in_ci = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+    if strict or in_ci:
+        raise MSLSimError(f"the mslsim strict check needs clang: {info}" + (" (required under CI: $CI is set)"
+                                                                            if in_ci else ""))
+    if info not in _warned:
+        _warned.add(info)
+        warnings.warn(f"mslsim: {info}; the address-space and recursion checks of the strict pass are skipped "
+                      "(the other Metal restrictions are still checked)", MSLSimWarning, stacklevel=3)
+    return None, None
+
+
+def _build(parsed, key, name, cxx, flags, so):
+    """Compile the generated C++ into the cached kernel library `so` (atomically)."""
+    d = cache_dir()
+    gen = _frontend.generate(parsed, _PRELUDE, _KEYWORDS)
+    fd, cpp = tempfile.mkstemp(suffix=".cpp", prefix=f"k-{key}-", dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(gen)
+    obj = cpp[:-4] + ".o"
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=d)
+    os.close(fd)
+    # compile and link separately: linking with -fsanitize=thread would pull in the TSan runtime
+    r = subprocess.run(cxx + flags + ["-c", f"-I{_INCLUDE}", "-o", obj, cpp], capture_output=True, text=True)
+    if r.returncode == 0:
+        r = subprocess.run(cxx + ["-shared", "-o", tmp, obj] + _link_flags(), capture_output=True, text=True)
+    if os.path.exists(obj):
+        os.unlink(obj)
+    if r.returncode != 0:
+        os.unlink(tmp)
+        kept = os.path.join(d, f"k-{key}.failed.cpp")
+        os.replace(cpp, kept)
+        msg = _summarize_errors(r.stderr)
+        raise MSLSimError(f"compiling {name} failed (generated C++ kept at {kept}):\n{msg}")
+    _atomic_write_from(tmp, so)
+    os.replace(cpp, os.path.join(d, f"k-{key}.cpp"))
 
 
 def _summarize_errors(stderr: str) -> str:

@@ -1,4 +1,5 @@
-"""python -m torch_marlin.testing.mslsim FILE.metal [-I DIR] [-D NAME[=VALUE]]: compile and list kernels."""
+"""python -m torch_marlin.testing.mslsim FILE.metal [-I DIR] [-D NAME[=VALUE]] [--no-strict]: compile (with the
+strict check of what Apple's Metal compiler rejects, unless --no-strict) and list the kernels."""
 import argparse
 import sys
 
@@ -10,13 +11,14 @@ def main(argv=None):
     ap.add_argument("source")
     ap.add_argument("-I", dest="include", action="append", default=[])
     ap.add_argument("-D", dest="define", action="append", default=[])
+    ap.add_argument("--no-strict", action="store_true", help="skip the strict check (docs/MSLSIM.md)")
     a = ap.parse_args(argv)
     defines = {}
     for d in a.define:
         k, _, v = d.partition("=")
         defines[k] = v if v else None
     try:
-        lib = _compile(a.source, include_dirs=a.include, defines=defines)
+        lib = _compile(a.source, include_dirs=a.include, defines=defines, strict=False if a.no_strict else None)
     except MSLSimError as e:
         print(e, file=sys.stderr)
         return 1

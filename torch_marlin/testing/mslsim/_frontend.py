@@ -66,7 +66,8 @@ class FunctionConstant:
 class Parsed:
     kernels: list = field(default_factory=list)
     constants: list = field(default_factory=list)
-    text: str = ""
+    text: str = ""         # C++ for the emulator (address spaces become macros)
+    strict_text: str = ""  # the same before the const fix-up, for the strict pass (_strict.py)
 
 
 def _match_paren(s: str, i: int, open_c="(", close_c=")") -> int:
@@ -127,9 +128,28 @@ def _int_expr(s: str) -> int:
     return int(eval(s, {"__builtins__": {}}, {}))  # noqa: S307 - digits/operators only
 
 
-def _parse_params(plist: str, kname: str, where: str) -> list:
+_KERNEL_AS = ("device", "constant", "threadgroup", "ray_data", "object_data")
+
+
+def _pointer_without_address_space(decl: str) -> str | None:
+    """'thread' / 'none' when a kernel parameter is a pointer or reference without a kernel address space."""
+    bare = re.sub(r"<[^<>]*>", " ", decl)
+    while re.search(r"<[^<>]*>", bare):
+        bare = re.sub(r"<[^<>]*>", " ", bare)
+    if "*" not in bare and "&" not in bare:
+        return None
+    words = set(re.findall(r"\w+", bare))
+    if words & set(_KERNEL_AS):
+        return None
+    return "thread" if "thread" in words else "none"
+
+
+def _parse_params(text: str, start: int, end: int, kname: str, strict: bool) -> list:
     params = []
-    for p in _split_top(plist):
+    pos = start
+    for p in _split_top(text[start:end]):
+        ploc = "%s:%d" % _loc(text, pos + len(p) - len(p.lstrip()))
+        pos += len(p) + 1
         p = p.strip()
         if not p or p == "void":
             continue
@@ -149,20 +169,26 @@ def _parse_params(plist: str, kname: str, where: str) -> list:
                 if key in ("buffer", "threadgroup"):
                     kind, index = (K_BUF if key == "buffer" else K_TG), _int_expr(arg)
                     if not 0 <= index < 31:
-                        raise FrontendError(f"{where}: kernel '{kname}': [[{key}({index})]] is out of range "
+                        raise FrontendError(f"{ploc}: kernel '{kname}': [[{key}({index})]] is out of range "
                                             "(0..30)")
                 elif key == "function_constant":
                     guard = arg.strip()
                 elif key in BUILTINS:
                     kind, index = K_BUILTIN, BUILTINS[key]
                 elif key in ("stage_in", "texture", "sampler", "payload", "mesh"):
-                    raise FrontendError(f"{where}: kernel '{kname}': parameter '{pname}' uses [[{key}]], "
+                    raise FrontendError(f"{ploc}: kernel '{kname}': parameter '{pname}' uses [[{key}]], "
                                         "which mslsim does not support")
         if kind is None:
             if re.search(r"\b(device|constant)\b", bare):
-                raise FrontendError(f"{where}: kernel '{kname}': parameter '{pname}' has no [[buffer(n)]] index")
-            raise FrontendError(f"{where}: kernel '{kname}': parameter '{pname}' has no attribute mslsim "
+                raise FrontendError(f"{ploc}: kernel '{kname}': parameter '{pname}' has no [[buffer(n)]] index")
+            raise FrontendError(f"{ploc}: kernel '{kname}': parameter '{pname}' has no attribute mslsim "
                                 f"understands (supported builtins: {', '.join(sorted(BUILTINS))})")
+        missing = _pointer_without_address_space(bare) if strict and kind != K_BUILTIN else None
+        if missing:
+            what = "the thread address space" if missing == "thread" else "no address space"
+            raise FrontendError(f"{ploc}: error: kernel '{kname}': pointer / reference parameter '{pname}' has "
+                                f"{what}; Metal requires device, constant or threadgroup on kernel pointer and "
+                                "reference parameters")
         params.append(Param(pname, p, kind, index, guard))
     return params
 
@@ -196,7 +222,9 @@ def _strcat(lits: str) -> str:
 _KDEF_RE = re.compile(r"(\[\[\s*kernel\b[^\[\]]*\]\]|\bkernel\b)\s*((?:\[\[(?:[^\[\]]|\[[^\[\]]*\])*?\]\]\s*)*)void\s+(\w+)\s*\(")
 
 
-def parse(text: str) -> Parsed:
+def parse(text: str, strict: bool = True) -> Parsed:
+    """Kernels, function constants and the rewritten C++ of preprocessed MSL. strict: reject kernel pointer /
+    reference parameters without a kernel address space (as Metal does)."""
     out = Parsed()
     # --- explicit instantiations: template [[host_name("x")]] [[kernel]] decltype(f<..>) f<..>;
     inst_spans = []
@@ -243,7 +271,7 @@ def parse(text: str) -> Parsed:
             continue  # declaration only
         file, line = _loc(text, m.start())
         where = f"{file}:{line}"
-        params = _parse_params(text[po + 1:pc], name, where)
+        params = _parse_params(text, po + 1, pc, name, strict)
         # templated? look back to the previous ';' or '}' at top level
         back = text[max(0, m.start() - 2000):m.start()]
         cut = max(back.rfind(";"), back.rfind("}"))
@@ -320,8 +348,8 @@ def parse(text: str) -> Parsed:
                   r"((?:\[[^\]\[;]+\]\s*)*);", tg_sub, text)
     # attributes are not needed any more (and [[threadgroup(0)]] would meet the macro)
     text = _ATTR_RE.sub(lambda m: _blank(m.group(0)), text)
-    text = _CONST_RUN.sub(_dedupe_const, text)
-    out.text = text
+    out.strict_text = text
+    out.text = _CONST_RUN.sub(_dedupe_const, text)
     return out
 
 

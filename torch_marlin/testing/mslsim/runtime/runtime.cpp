@@ -126,6 +126,7 @@ struct Worker;
 
 struct Fiber {
   void* sp = nullptr;
+  uint32_t vc[32];         // race detection: vector clock over the lanes of this simdgroup
   char* mem = nullptr;     // mmap base (guard page first)
   size_t memsize = 0;
   int tid = 0, sg = 0, lane = 0;
@@ -149,6 +150,37 @@ struct Guarded {
 
 struct Launch;
 
+// ------------------------------------------------------- race detection state
+// One access to a byte of threadgroup memory: barrier interval (phase), thread,
+// the thread's own simdgroup clock at the time and the code offset (pc).
+struct Access {
+  uint32_t phase;
+  uint16_t tid;
+  uint16_t pad;
+  uint32_t clk;
+  uint32_t pc;
+};
+// Shadow of one byte: the last write and up to two reads (by different threads) since.
+struct Cell {
+  Access w;
+  Access r[2];
+};
+
+// A threadgroup-memory arena of the pool and its shadow (persistent across launches).
+struct Slot {
+  bool used = false;
+  Worker* owner = nullptr;
+  Cell* shadow = nullptr;
+  uint32_t phase = 0;
+};
+
+struct TgDecl {
+  const void* key;
+  size_t off, size;
+  const char* file;
+  int line;
+};
+
 struct Worker {
   Launch* L = nullptr;
   std::vector<Fiber> fibers;
@@ -156,7 +188,11 @@ struct Worker {
   Fiber* cur = nullptr;
   char* arena = nullptr;
   size_t arena_used = 0, arena_hwm = 0, arena_dyn = 0;
-  std::vector<std::pair<const void*, size_t>> tg_static;
+  std::vector<TgDecl> tg_static;
+  int slot = -1;           // pool slot of the arena (-1: private arena, not race checked)
+  bool race = false;       // race detection on for this launch and arena
+  Cell* shadow = nullptr;
+  uint32_t* phase = nullptr;
   void* tgbufs[32];
   uint64_t rng = 0;
   bool failed = false;
@@ -181,6 +217,8 @@ struct Launch {
   std::condition_variable done_cv;
   int done = 0;
   std::atomic<bool> timed_out{false};
+  uintptr_t lib_base = 0;  // kernel library: code offsets of race reports
+  std::string lib_name;
 };
 
 thread_local Worker* t_worker = nullptr;
@@ -221,6 +259,81 @@ void free_stack(char* p, size_t memsize) {
   std::lock_guard<std::mutex> lk(g_stack_mu);
   if (g_stacks.size() < 8192) g_stacks.emplace_back(p, memsize);
   else munmap(p, memsize);
+}
+
+// ------------------------------------------------------------ arena pool
+// Threadgroup memory: 32 KiB usable + 32 KiB slack (small overruns do not
+// fault) + a guard page per worker, all workers' arenas in one pool so the
+// race hooks of the kernel library need one range test per memory access.
+const size_t kArenaUse = 32768;
+const size_t kArenaSlot = 2 * 32768 + kPage;
+const int kPoolSlots = 128;
+std::mutex g_pool_mu;
+char* g_pool = nullptr;
+Slot g_slots[kPoolSlots];
+
+void acquire_arena(Worker* w) {
+  {
+    std::lock_guard<std::mutex> lk(g_pool_mu);
+    if (!g_pool) {
+      void* p = mmap(nullptr, kPoolSlots * kArenaSlot, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      g_pool = p == MAP_FAILED ? (char*)-1 : (char*)p;
+      if (p != MAP_FAILED) mslsim_race_range = RaceRange{(uintptr_t)p, kPoolSlots * kArenaSlot};
+    }
+    for (int i = 0; g_pool != (char*)-1 && i < kPoolSlots; ++i) {
+      Slot& sl = g_slots[i];
+      if (sl.used) continue;
+      if (!sl.shadow) {
+        void* sh = mmap(nullptr, kArenaUse * sizeof(Cell), PROT_READ | PROT_WRITE,
+                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (sh == MAP_FAILED) break;
+        sl.shadow = (Cell*)sh;
+      }
+      sl.used = true;
+      sl.owner = w;
+      w->slot = i;
+      w->arena = g_pool + i * kArenaSlot;
+      w->shadow = sl.shadow;
+      w->phase = &sl.phase;
+      break;
+    }
+  }
+  if (w->slot >= 0) {
+    mprotect(w->arena, 2 * 32768, PROT_READ | PROT_WRITE);
+  } else {  // pool exhausted: a private arena, not race checked
+    w->arena = (char*)mmap(nullptr, kArenaSlot, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mprotect(w->arena + 2 * 32768, kPage, PROT_NONE);
+  }
+  memset(w->arena, 0xFF, 2 * 32768);
+}
+
+void release_arena(Worker* w) {
+  if (w->slot < 0) {
+    munmap(w->arena, kArenaSlot);
+    return;
+  }
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  g_slots[w->slot].used = false;
+  g_slots[w->slot].owner = nullptr;
+}
+
+// A new barrier interval: every earlier access of the threadgroup is ordered before what follows.
+void new_phase(Worker* w) {
+  if (++*w->phase == 0) {
+    memset(w->shadow, 0, kArenaUse * sizeof(Cell));
+    *w->phase = 1;
+  }
+}
+
+// Lanes that took part in one simd collective / simdgroup_barrier are ordered: join their clocks.
+void race_sync(std::vector<Fiber*>& lanes) {
+  uint32_t j[32] = {0};
+  for (Fiber* g : lanes)
+    for (int k = 0; k < 32; ++k) j[k] = std::max(j[k], g->vc[k]);
+  for (Fiber* g : lanes) {
+    memcpy(g->vc, j, sizeof j);
+    g->vc[g->lane]++;
+  }
 }
 
 inline uint64_t splitmix(uint64_t& s) {
@@ -328,6 +441,7 @@ void check_sg(Worker* w, TGState& s, int sg) {
       }
     }
     if (f->coll->fn) f->coll->fn(s.tmp.data(), (int)s.tmp.size());
+    if (w->race) race_sync(s.tmpf);
     s.blocked_sg[sg] -= (int)s.tmpf.size();
     for (Fiber* g : s.tmpf) push_run(w, s, g);
   }
@@ -348,6 +462,7 @@ void check_tg(Worker* w, TGState& s) {
     }
   }
   w->barriers++;
+  if (w->race) new_phase(w);
   for (auto& f : w->fibers)
     if (f.state == F_TG) {
       s.blocked_sg[f.sg]--;
@@ -379,6 +494,7 @@ void run_threadgroup(Worker* w, uint64_t linear) {
   }
   w->arena_dyn = w->arena_used;
   w->arena_hwm = w->arena_used;
+  if (w->race) new_phase(w);
   w->rng = a->seed * 0x2545F4914F6CDD1Dull + linear * 0x9E3779B97F4A7C15ull + 1;
 
   TGState s;
@@ -397,6 +513,8 @@ void run_threadgroup(Worker* w, uint64_t linear) {
     f->coll = nullptr;
     f->file = nullptr;
     f->line = 0;
+    memset(f->vc, 0, sizeof f->vc);
+    f->vc[f->lane] = 1;
     ThreadCtx& c = f->ctx;
     uint32_t lx = t % tx, ly = (t / tx) % ty, lz = t / (tx * ty);
     uint32_t lp[3] = {lx, ly, lz};
@@ -513,6 +631,8 @@ void worker_main(Launch* L, Worker* w) {
   if (!ok) {
     fail(w, "could not allocate fiber stacks");
   }
+  acquire_arena(w);
+  w->race = a->check_races != 0 && w->slot >= 0;
   while (ok && !L->abort.load()) {
     uint64_t i = L->next.fetch_add(1);
     if (i >= L->ntg) break;
@@ -535,6 +655,7 @@ void worker_main(Launch* L, Worker* w) {
       if (f.mem) free_stack(f.mem, f.memsize);
   }
   w->fibers.clear();
+  release_arena(w);
   ss.ss_flags = SS_DISABLE;
   sigaltstack(&ss, nullptr);
   t_worker = nullptr;
@@ -623,7 +744,7 @@ void on_fault(int sig, siginfo_t* si, void* ucv) {
       snprintf(b, sizeof b, "fiber stack overflow: the kernel needs more than %zu KiB of thread stack "
                "(raise launch(stack_size=...) or TORCH_MARLIN_MSLSIM_STACK)", (f->memsize - kPage) / 1024);
       msg = b;
-    } else if (addr >= w->arena && addr < w->arena + 2 * 32768 + kPage) {
+    } else if (addr >= w->arena && addr < w->arena + kArenaSlot) {
       msg = std::string("out-of-bounds ") + rw + " of threadgroup memory";
     } else {
       char b[200];
@@ -734,6 +855,13 @@ int mslsim_launch(const LaunchArgs* a, char* errbuf, int errlen, LaunchStats* st
   L.a = a;
   L.ntg = (uint64_t)a->grid[0] * a->grid[1] * a->grid[2];
   L.stack_size = a->stack_size ? (a->stack_size + kPage - 1) / kPage * kPage : 256 * 1024;
+  {
+    Dl_info di;
+    if (dladdr((void*)a->thunk, &di) && di.dli_fname) {
+      L.lib_base = (uintptr_t)di.dli_fbase;
+      L.lib_name = di.dli_fname;
+    }
+  }
   std::string err;
   if (!setup_buffers(&L, err)) {
     snprintf(errbuf, errlen, "%s", err.c_str());
@@ -747,11 +875,6 @@ int mslsim_launch(const LaunchArgs* a, char* errbuf, int errlen, LaunchStats* st
   for (int i = 0; i < nw; ++i) {
     Worker& w = ws[i];
     w.L = &L;
-    // arena: 32 KiB usable + 32 KiB slack so small overruns do not fault, then a guard page
-    size_t asz = 2 * 32768 + kPage;
-    w.arena = (char*)mmap(nullptr, asz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    mprotect(w.arena + 2 * 32768, kPage, PROT_NONE);
-    memset(w.arena, 0xFF, 2 * 32768);
     w.altstack = (char*)malloc(256 * 1024);
   }
   for (int i = 0; i < nw; ++i) th.emplace_back(worker_main, &L, &ws[i]);
@@ -777,7 +900,6 @@ int mslsim_launch(const LaunchArgs* a, char* errbuf, int errlen, LaunchStats* st
   for (auto& w : ws) {
     barriers += w.barriers;
     tgmax = std::max(tgmax, w.tg_mem_max);
-    munmap(w.arena, 2 * 32768 + kPage);
     free(w.altstack);
   }
   teardown_buffers(&L);
@@ -850,8 +972,8 @@ struct NoInterrupt {
 void* mslsim_tg_alloc(const void* key, unsigned long size, unsigned long align, const char* file, int line) {
   Worker* w = t_worker;
   NoInterrupt guard;
-  for (auto& kv : w->tg_static)
-    if (kv.first == key) return w->arena + kv.second;
+  for (auto& d : w->tg_static)
+    if (d.key == key) return w->arena + d.off;
   if (align < 16) align = 16;
   size_t off = (w->arena_used + align - 1) / align * align;
   size_t end = off + size;
@@ -865,8 +987,90 @@ void* mslsim_tg_alloc(const void* key, unsigned long size, unsigned long align, 
   }
   w->arena_used = end;
   if (end > w->arena_hwm) w->arena_hwm = end;
-  w->tg_static.emplace_back(key, off);
+  w->tg_static.push_back(TgDecl{key, off, size, file, line});
   return w->arena + off;
+}
+
+RaceRange mslsim_race_range = {0, 0};
+
+static std::string race_pc_tag(const Launch* L, uint32_t pc) {
+  if (L->lib_name.empty()) return "";
+  char b[64];
+  snprintf(b, sizeof b, "+0x%lx]", (unsigned long)pc - 1);  // the call of the access hook
+  return " [pc " + L->lib_name + b;
+}
+
+static std::string race_where(const Worker* w, size_t off) {
+  const LaunchArgs* a = w->L->a;
+  char b[200];
+  size_t base = 0;
+  for (int i = 0; i < 32; ++i) {
+    size_t n = (a->tg_dyn_size[i] + 15) & ~(uint64_t)15;
+    if (a->tg_dyn_size[i] && off >= base && off < base + n) {
+      snprintf(b, sizeof b, "byte %zu of the [[threadgroup(%d)]] buffer", off - base, i);
+      return b;
+    }
+    base += n;
+  }
+  for (auto& d : w->tg_static)
+    if (off >= d.off && off < d.off + d.size) {
+      snprintf(b, sizeof b, "byte %zu of the threadgroup variable declared at %s:%d", off - d.off,
+               d.file ? d.file : "?", d.line);
+      return b;
+    }
+  snprintf(b, sizeof b, "byte %zu of threadgroup memory", off);
+  return b;
+}
+
+[[noreturn]] static void race_report(Worker* w, Fiber* f, size_t off, bool is_write, uint32_t pc, const Access& o,
+                                     bool other_wrote) {
+  Fiber* g = &w->fibers[o.tid];
+  std::string kind = std::string(other_wrote ? "write" : "read") + "-" + (is_write ? "write" : "read");
+  std::string m = "threadgroup memory race (" + kind + ") on " + race_where(w, off) + ": " + thread_desc(w, g) +
+                  (other_wrote ? " writes it" : " reads it") + race_pc_tag(w->L, o.pc) + " and " +
+                  thread_desc(w, f) + (is_write ? " writes it" : " reads it") + race_pc_tag(w->L, pc) +
+                  " in the same barrier interval; the accesses are not ordered by a threadgroup_barrier";
+  if (g->sg == f->sg) m += " or, within the simdgroup, by a simdgroup_barrier or simd collective";
+  fail(w, m);
+  t_in_fiber = false;
+  mslsim_ctx_switch(&f->sp, w->sched_sp);
+  abort();
+}
+
+// Called by the kernel library for every access to the threadgroup-memory pool
+// (before the access happens).
+void mslsim_race_access(uintptr_t addr, unsigned long size, int is_write, void* pcp) {
+  // the arena's owner (cheaper than the thread-local t_worker); only its fibers use the arena
+  const size_t slot = (addr - (uintptr_t)g_pool) / kArenaSlot;
+  Worker* w = slot < (size_t)kPoolSlots ? g_slots[slot].owner : nullptr;
+  if (!w || !w->race || !w->cur) return;
+  size_t off = addr - (uintptr_t)w->arena;
+  if (off >= kArenaUse) return;  // beyond Apple's limit (reported as over budget)
+  if (off + size > kArenaUse) size = kArenaUse - off;
+  Fiber* f = w->cur;
+  const uint32_t phase = *w->phase, tid = (uint32_t)f->tid, clk = f->vc[f->lane];
+  const uint32_t pc = (uint32_t)((uintptr_t)pcp - w->L->lib_base);
+  // ordered: the other access is by this thread, from an earlier barrier interval, or by a lane of this
+  // simdgroup that has synchronised (transitively) with this one since.
+  auto unordered = [&](const Access& o) {
+    return o.phase == phase && o.tid != tid && ((int)o.tid / 32 != f->sg || f->vc[o.tid % 32] < o.clk);
+  };
+  Cell* c = w->shadow + off;
+  for (unsigned long i = 0; i < size; ++i) {
+    Cell& x = c[i];
+    if (unordered(x.w)) race_report(w, f, off + i, is_write != 0, pc, x.w, true);
+    if (is_write) {
+      for (auto& r : x.r)
+        if (unordered(r)) race_report(w, f, off + i, true, pc, r, false);
+      x.w = Access{phase, (uint16_t)tid, 0, clk, pc};
+      x.r[0].phase = x.r[1].phase = 0;
+    } else {
+      Access me{phase, (uint16_t)tid, 0, clk, pc};
+      if (x.r[0].phase != phase || x.r[0].tid == tid) x.r[0] = me;
+      else if (x.r[1].phase != phase || x.r[1].tid == tid) x.r[1] = me;
+      else x.r[1] = me;
+    }
+  }
 }
 
 int mslsim_abi_version(void) { return MSLSIM_ABI_VERSION; }

@@ -2,7 +2,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MSLSIM_ABI_VERSION 2
+#define MSLSIM_ABI_VERSION 3
 
 namespace mslsim {
 
@@ -43,6 +43,15 @@ struct LaunchArgs {
   int32_t nworkers;
   uint64_t stack_size;
   uint64_t timeout_ms;  // 0: none
+  int32_t check_races;  // threadgroup-memory race detection (kernels built with -fsanitize=thread hooks)
+};
+
+// Threadgroup memory of every worker lives in one pool: [lo, lo + span).  The
+// kernel library's access hooks (prelude.h) test an address against it and
+// call mslsim_race_access only for threadgroup memory.
+struct RaceRange {
+  uintptr_t lo;
+  uintptr_t span;
 };
 
 struct LaunchStats {
@@ -60,4 +69,6 @@ void mslsim_yield(void);
 int mslsim_lane(void);
 [[noreturn]] void mslsim_fail(const char* msg, const char* file, int line);
 void* mslsim_tg_alloc(const void* key, unsigned long size, unsigned long align, const char* file, int line);
+extern mslsim::RaceRange mslsim_race_range;
+void mslsim_race_access(uintptr_t addr, unsigned long size, int is_write, void* pc);
 }

@@ -3,54 +3,10 @@
 
 namespace metal {
 
-using ::half;
-using ::bfloat;
-using ::uint;
-using ::ushort;
-using ::uchar;
-using ::ulong;
 template <class T, int N> using vec = ::mslsim::vec<T, N>;
 
 // ------------------------------------------------------------------- traits
-using std::conditional;
-using std::conditional_t;
-using std::enable_if;
-using std::enable_if_t;
-using std::integral_constant;
-using std::bool_constant;
-using std::true_type;
-using std::false_type;
-using std::is_same;
-using std::is_same_v;
-using std::remove_cv;
-using std::remove_cv_t;
-using std::remove_reference;
-using std::remove_reference_t;
-using std::decay;
-using std::decay_t;
-using std::is_void_v;
-using std::is_pointer_v;
-using std::is_const_v;
-using std::is_convertible_v;
-using std::is_convertible;
-using std::make_unsigned_t;
-using std::make_signed_t;
-using std::void_t;
-using std::declval;
-template <class T> struct is_floating_point : std::is_floating_point<T> {};
-template <> struct is_floating_point<half> : std::true_type {};
-template <> struct is_floating_point<bfloat> : std::true_type {};
-template <class T> constexpr bool is_floating_point_v = is_floating_point<T>::value;
-template <class T> struct is_integral : std::is_integral<T> {};
-template <class T> constexpr bool is_integral_v = is_integral<T>::value;
-template <class T> struct is_arithmetic : std::bool_constant<std::is_arithmetic_v<T> || mslsim::is_fp16<T>::value> {};
-template <class T> constexpr bool is_arithmetic_v = is_arithmetic<T>::value;
-template <class T> struct is_signed : std::bool_constant<std::is_signed_v<T> || mslsim::is_fp16<T>::value> {};
-template <class T> constexpr bool is_signed_v = is_signed<T>::value;
-template <class T> struct is_unsigned : std::is_unsigned<T> {};
-template <class T> constexpr bool is_unsigned_v = is_unsigned<T>::value;
-template <class T> struct is_scalar : std::bool_constant<mslsim::is_scalar_like_v<T>> {};
-template <class T> constexpr bool is_scalar_v = is_scalar<T>::value;
+#include "metal_traits.inc"
 template <class T> struct is_vector : mslsim::is_vec<T> {};
 template <class T> constexpr bool is_vector_v = is_vector<T>::value;
 
@@ -608,33 +564,33 @@ typedef atomic<bool> atomic_bool;
 typedef atomic<ulong> atomic_ulong;
 
 #define MSLSIM_AP(obj) (const_cast<T*>(&(obj)->v))
-template <class T> inline void atomic_store_explicit(volatile atomic<T>* o, T x, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline void atomic_store_explicit(volatile atomic<T>* o, T x, memory_order) {
   __atomic_store(MSLSIM_AP(o), &x, __ATOMIC_SEQ_CST);
 }
-template <class T> inline T atomic_load_explicit(volatile atomic<T>* o, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline T atomic_load_explicit(volatile atomic<T>* o, memory_order) {
   mslsim_yield();  // lets spin-waits on other threads make progress
   T r;
   __atomic_load(MSLSIM_AP(o), &r, __ATOMIC_SEQ_CST);
   return r;
 }
-template <class T> inline T atomic_exchange_explicit(volatile atomic<T>* o, T x, memory_order) {
+template <class T> MSLSIM_NO_TSAN inline T atomic_exchange_explicit(volatile atomic<T>* o, T x, memory_order) {
   T r;
   __atomic_exchange(MSLSIM_AP(o), &x, &r, __ATOMIC_SEQ_CST);
   return r;
 }
 template <class T>
-inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order,
+MSLSIM_NO_TSAN inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order,
                                                   memory_order) {
   bool ok = __atomic_compare_exchange(MSLSIM_AP(o), expected, &desired, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
   if (!ok) mslsim_yield();
   return ok;
 }
 template <class T>
-inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order a,
+MSLSIM_NO_TSAN inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, T* expected, T desired, memory_order a,
                                                     memory_order b) {
   return atomic_compare_exchange_weak_explicit(o, expected, desired, a, b);
 }
-template <class T, class F> inline T mslsim_atomic_rmw(volatile atomic<T>* o, F f) {
+template <class T, class F> MSLSIM_NO_TSAN inline T mslsim_atomic_rmw(volatile atomic<T>* o, F f) {
   T old;
   __atomic_load(MSLSIM_AP(o), &old, __ATOMIC_SEQ_CST);
   while (true) {
@@ -643,7 +599,7 @@ template <class T, class F> inline T mslsim_atomic_rmw(volatile atomic<T>* o, F 
   }
 }
 #define MSLSIM_ARMW(name, EXPR)                                                                       \
-  template <class T, class U> inline T atomic_##name##_explicit(volatile atomic<T>* o, U arg, memory_order) { \
+  template <class T, class U> MSLSIM_NO_TSAN inline T atomic_##name##_explicit(volatile atomic<T>* o, U arg, memory_order) { \
     T a = static_cast<T>(arg);                                                                        \
     return mslsim_atomic_rmw(o, [a](T x) { return static_cast<T>(EXPR); });                          \
   }
@@ -669,16 +625,4 @@ MSLSIM_ARMW(fetch_xor, x ^ a)
 #define MSLSIM_FC(name, ...)  \
   __VA_ARGS__ name = __VA_ARGS__(); \
   bool mslsim_fcdef_##name = false
-#define is_function_constant_defined(x) (mslsim_fcdef_##x)
-
-#define M_PI_F 3.14159265358979323846f
-#define M_PI_H half(3.14159265358979323846f)
-#define M_E_F 2.71828182845904523536f
-#define M_LN2_F 0.693147180559945309417f
-#define M_LOG2E_F 1.44269504088896340736f
-#define M_SQRT2_F 1.41421356237309504880f
-#define MAXFLOAT FLT_MAX
-#define HUGE_VALF __builtin_huge_valf()
-#define INFINITY __builtin_inff()
-#define NAN __builtin_nanf("")
-#define MAXHALF half(65504.0f)
+#include "metal_constants.inc"

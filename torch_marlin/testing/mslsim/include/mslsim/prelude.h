@@ -11,6 +11,47 @@
 
 #include "abi.h"
 
+// --------------------------------------------------- threadgroup race hooks
+// Kernel libraries are compiled with -fsanitize=thread (instrumentation only,
+// no TSan runtime): every load and store calls one of these first. An address
+// inside the threadgroup-memory pool goes to the runtime's race detector
+// (runtime.cpp, mslsim_race_access); everything else returns at once.
+// Atomics are not instrumented (MSLSIM_NO_TSAN below): they are not races.
+#define MSLSIM_NO_TSAN __attribute__((no_sanitize_thread))
+#define MSLSIM_HOOK extern "C" __attribute__((no_sanitize_thread, visibility("hidden"), used))
+#define MSLSIM_HOOK_ACCESS(name, n, w)                                                            \
+  MSLSIM_HOOK void name(void* p) {                                                                \
+    if (__builtin_expect((uintptr_t)p - mslsim_race_range.lo < mslsim_race_range.span, 0))        \
+      mslsim_race_access((uintptr_t)p, n, w, __builtin_return_address(0));                        \
+  }
+#define MSLSIM_HOOK_SIZES(pre, w) \
+  MSLSIM_HOOK_ACCESS(pre##1, 1, w) MSLSIM_HOOK_ACCESS(pre##2, 2, w) MSLSIM_HOOK_ACCESS(pre##4, 4, w) \
+  MSLSIM_HOOK_ACCESS(pre##8, 8, w) MSLSIM_HOOK_ACCESS(pre##16, 16, w)
+MSLSIM_HOOK_SIZES(__tsan_read, 0)
+MSLSIM_HOOK_SIZES(__tsan_write, 1)
+MSLSIM_HOOK_SIZES(__tsan_unaligned_read, 0)
+MSLSIM_HOOK_SIZES(__tsan_unaligned_write, 1)
+MSLSIM_HOOK_SIZES(__tsan_volatile_read, 0)
+MSLSIM_HOOK_SIZES(__tsan_volatile_write, 1)
+MSLSIM_HOOK_SIZES(__tsan_unaligned_volatile_read, 0)
+MSLSIM_HOOK_SIZES(__tsan_unaligned_volatile_write, 1)
+#define MSLSIM_HOOK_RANGE(name, w)                                                                \
+  MSLSIM_HOOK void name(void* p, unsigned long n) {                                               \
+    if (__builtin_expect((uintptr_t)p - mslsim_race_range.lo < mslsim_race_range.span, 0))        \
+      mslsim_race_access((uintptr_t)p, n, w, __builtin_return_address(0));                        \
+  }
+MSLSIM_HOOK_RANGE(__tsan_read_range, 0)
+MSLSIM_HOOK_RANGE(__tsan_write_range, 1)
+MSLSIM_HOOK void __tsan_init(void) {}
+MSLSIM_HOOK void __tsan_func_entry(void*) {}
+MSLSIM_HOOK void __tsan_func_exit(void) {}
+MSLSIM_HOOK void __tsan_vptr_update(void**, void*) {}
+MSLSIM_HOOK void __tsan_vptr_read(void**) {}
+#undef MSLSIM_HOOK_SIZES
+#undef MSLSIM_HOOK_ACCESS
+#undef MSLSIM_HOOK_RANGE
+
+#define __METAL__ 1
 #define __METAL_VERSION__ 310
 #define __METAL_MACOS__ 1
 #define __HAVE_BFLOAT__ 1
