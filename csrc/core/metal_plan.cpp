@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace marlin {
@@ -33,6 +34,24 @@ void check_launch(const Launch& l) {
   TORCH_INTERNAL_ASSERT(l.min_threads_x == 0 || (l.min_threads_x % kSimdWidth == 0 && l.min_threads_x <= l.threadgroup[0]),
                         l.kernel, ": min_threads_x ", l.min_threads_x);
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
+}
+
+std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
+                         WeightFormat format, int64_t partial_floats) {
+  std::ostringstream o;
+  o << "\"M\":" << m << ",\"N\":" << n << ",\"K\":" << k << ",\"group_rows\":" << group_rows
+    << ",\"splits\":" << splits << ",\"dtype\":\"" << dtype_name(dtype) << "\",\"format\":\""
+    << weight_format_name(format) << "\",\"partial_floats\":" << partial_floats;
+  return o.str();
+}
+
+int64_t choose_splits(int64_t tiles, int64_t k) {
+  constexpr int64_t kSplitTargetThreadgroups = 128;  // K-split when fewer output tiles
+  constexpr int64_t kSplitMinK = 512;                // at least this much K per split
+  constexpr int64_t kSplitMax = 16;
+  if (tiles >= kSplitTargetThreadgroups) return 1;
+  const int64_t want = ceil_div(kSplitTargetThreadgroups, tiles);
+  return std::max<int64_t>(1, std::min({want, k / kSplitMinK, kSplitMax}));
 }
 
 std::array<int64_t, 3> fit_threadgroup(const Launch& l, int64_t max_threads) {

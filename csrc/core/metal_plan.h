@@ -71,9 +71,25 @@ struct Plan {
 };
 
 int64_t ceil_div(int64_t a, int64_t b);
+
+// Bindings of [[buffer(index)]]: the op's argument `slot`, an output, a workspace, a scalar.
+inline Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
+inline Binding output(int index, int slot = 0) { return {index, Source::kOutput, slot, 0}; }
+inline Binding workspace(int index, int slot = 0) { return {index, Source::kWorkspace, slot, 0}; }
+uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
+inline Binding scalar(int index, int64_t value, const char* what) {
+  return {index, Source::kScalar, 0, u32(value, what)};
+}
+
+// The GEMMs' K split (stripe-partitioned K-parallel, docs/KERNELS.md): how many
+// slices of K, so that `tiles` output tiles still fill the GPU.
+int64_t choose_splits(int64_t tiles, int64_t k);
+
+// Plan::details of a GEMM or dequantize plan (the problem, for tests and benchmarks).
+std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
+                         WeightFormat format, int64_t partial_floats);
 const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name suffixes
 int64_t dtype_size(at::ScalarType t);
-uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
 void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)
 
 // The threadgroup to dispatch `launch` with on a pipeline that allows at most

@@ -13,37 +13,12 @@ namespace marlin {
 namespace metal {
 namespace {
 
-constexpr int64_t kSplitTargetThreadgroups = 128;  // K-split when fewer output tiles
-constexpr int64_t kSplitMinK = 512;                // at least this much K per split
-constexpr int64_t kSplitMax = 16;
-
 // Argument numbers in the schemas (csrc/registration.cpp).
 enum GemmArg { kGemmX = 0, kGemmPacked, kGemmScales, kGemmZeros, kGemmBias };
 enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };
 
-Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
-Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
-Binding workspace(int index) { return {index, Source::kWorkspace, 0, 0}; }
-Binding scalar(int index, int64_t value, const char* what) { return {index, Source::kScalar, 0, u32(value, what)}; }
-
 // Fused dequant-in-registers GEMM (metal/gemm_fused.metal): M-tile rows.
 int64_t fused_tile_m(int64_t m) { return m <= 32 ? 32 : 64; }
-
-// Number of K slices so that few output tiles still fill the GPU.
-int64_t choose_splits(int64_t tiles, int64_t k) {
-  if (tiles >= kSplitTargetThreadgroups) return 1;
-  const int64_t want = ceil_div(kSplitTargetThreadgroups, tiles);
-  return std::max<int64_t>(1, std::min({want, k / kSplitMinK, kSplitMax}));
-}
-
-std::string details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
-                    WeightFormat format, int64_t partial_floats) {
-  std::ostringstream o;
-  o << "\"M\":" << m << ",\"N\":" << n << ",\"K\":" << k << ",\"group_rows\":" << group_rows
-    << ",\"splits\":" << splits << ",\"dtype\":\"" << dtype_name(dtype) << "\",\"format\":\""
-    << weight_format_name(format) << "\",\"partial_floats\":" << partial_floats;
-  return o.str();
-}
 
 Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
@@ -58,7 +33,7 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   p.outputs = {{"out", {m, n}, dtype}};
   p.result_shape = x.sizes().vec();
   p.result_shape.back() = n;
-  p.details = details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
+  p.details = gemm_details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
   if (m == 0) return p;  // empty output, nothing to launch
   // Kernels index with 32-bit sizes and 64-bit offsets: any M, N, K < 2^32.
   u32(m, "M");
@@ -122,7 +97,7 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   // workspace is still bound, but never written, without a split).
   const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
   p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
-  p.details = details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
+  p.details = gemm_details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
   if (splits > 1) {
     u32(partial_floats, "workspace size");
     Launch r;
@@ -149,7 +124,7 @@ Plan plan_dequantize(const at::Tensor& packed, const at::Tensor& scales, const c
   p.op = "dequantize";
   p.outputs = {{"out", {s.k, s.n}, out}};
   p.result_shape = {s.k, s.n};
-  p.details = details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
+  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
   Launch l;
   l.source = "dequant";
   l.kernel = std::string("marlin_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);

@@ -1,0 +1,98 @@
+// 2:4 sparse decode GEMV: y[M, N] = x[M, K] @ B[K, N] (+ bias) for M <= MR <= 8,
+// B in the 2:4 layout (metal/sparse24_decode.h). The dense GEMV's structure
+// (metal/gemv.metal) on values rows of 16 K instead of packed rows of 8:
+// a threadgroup owns 32 output columns and all of K; lane = 8 * kl + cl reads
+// 4 consecutive values words (4 columns) of values row 4 * sg + kl + 32 i and
+// the matching 4 metadata words (the odd row's lane reads the same words as
+// the even row's, in the same simdgroup load: one transaction), so every
+// values and metadata byte comes from memory once. Each block of 4 K rows is
+// decoded once per column into a float4 of dense weights (zeros at pruned
+// positions) and dotted with the block's x for every row: the bytes are 3/4
+// of the dense GEMV's (the point for a memory-bound kernel), the multiplies
+// the same. Reduction and output as the dense GEMV.
+#pragma once
+
+#include <metal_simdgroup>
+#include <metal_stdlib>
+
+#include "sparse24_decode.h"
+
+using namespace metal;
+
+template <typename T, WeightFormat F, int MR>
+[[kernel]] void marlin_sparse24_gemv(const device T* x [[buffer(0)]],
+                                     const device uint* values [[buffer(1)]],
+                                     const device uint* metadata [[buffer(2)]],
+                                     const device half* scales [[buffer(3)]],
+                                     const device half* zeros [[buffer(4)]],
+                                     const device T* bias [[buffer(5)]],
+                                     device T* y [[buffer(6)]],
+                                     constant uint& M [[buffer(7)]],
+                                     constant uint& N [[buffer(8)]],
+                                     constant uint& K [[buffer(9)]],
+                                     constant uint& group_rows [[buffer(10)]],
+                                     threadgroup float* partial [[threadgroup(0)]],
+                                     uint3 tgid [[threadgroup_position_in_grid]],
+                                     uint tid [[thread_index_in_threadgroup]],
+                                     uint sg [[simdgroup_index_in_threadgroup]],
+                                     uint nsg [[simdgroups_per_threadgroup]],
+                                     uint lane [[thread_index_in_simdgroup]]) {
+  const uint cl = lane % 8, kl = lane / 8;
+  const uint n0 = tgid.x * kGemvColumns + 4 * cl;  // first of this lane's 4 columns
+  const uint VR = K / kSparseValueRows;
+  const bool full = n0 + 3 < N;
+
+  float acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+
+  for (uint r = 4 * sg + kl; r < VR; r += 4 * nsg) {
+    uint w[4], meta[4];
+    MarlinDequantParams p[4];
+    for (uint c = 0; c < 4; ++c) {
+      const bool ok = full || n0 + c < N;
+      w[c] = ok ? values[ulong(r) * N + n0 + c] : 0u;
+      meta[c] = ok ? marlin_sparse_meta(metadata[ulong(r / 2) * N + n0 + c], r) : 0x4444u;  // tail: (0,1), weight 0
+      // a values row lies in one group (group sizes are multiples of 16): the params of its first 8 K
+      p[c] = ok ? marlin_load_params<F>(scales, zeros, 2 * r, n0 + c, N, group_rows)
+                : MarlinDequantParams{0.0f, 0.0f, 0.0f};
+    }
+    for (uint b = 0; b < 4; ++b) {
+      float4 xv[MR];
+      for (int m = 0; m < MR; ++m) {
+        if (uint(m) < M) {
+          const device T* xb = x + ulong(m) * K + kSparseValueRows * r + 4 * b;
+          xv[m] = float4(float(xb[0]), float(xb[1]), float(xb[2]), float(xb[3]));
+        } else {
+          xv[m] = float4(0.0f);
+        }
+      }
+      for (uint c = 0; c < 4; ++c) {
+        const float4 wb = marlin_sparse_block<F>(w[c], meta[c], b, p[c]);
+        for (int m = 0; m < MR; ++m) acc[m][c] += dot(wb, xv[m]);
+      }
+    }
+  }
+
+  for (int m = 0; m < MR; ++m) {
+    for (int c = 0; c < 4; ++c) {
+      float v = acc[m][c];
+      v += simd_shuffle_xor(v, ushort(8));
+      v += simd_shuffle_xor(v, ushort(16));
+      if (kl == 0) partial[(sg * MR + m) * kGemvColumns + 4 * cl + c] = v;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // One thread per (row, column); a threadgroup shrunk below MR simdgroups
+  // (fit_threadgroup) loops.
+  for (uint i = tid; i < uint(MR) * kGemvColumns; i += nsg * kSimdWidth) {
+    const uint m = i / kGemvColumns, col = i % kGemvColumns, n = tgid.x * kGemvColumns + col;
+    if (m < M && n < N) {
+      float s = 0.0f;
+      for (uint g = 0; g < nsg; ++g) s += partial[(g * MR + m) * kGemvColumns + col];
+      if (marlin_has_bias) s += float(bias[n]);
+      y[ulong(m) * N + n] = T(s);
+    }
+  }
+}
