@@ -1,29 +1,31 @@
-"""Benchmark of the Metal kernels.
+"""Benchmark of the Metal kernels, and their estimated bounds per Apple chip.
 
 On a Mac with MPS (and torch_marlin built with the MPS bridge): median time,
-GB/s and speed-up of torch.ops.marlin.gemm against fp16 torch.matmul and
-torch._weight_int4pack_mm on MPS, for M in {1, 4, 16, 64, 256} on LLaMA-7B
-layer shapes, with warm-up and rotating weight buffers (several copies of the
-weights, more bytes than the GPU caches, used round-robin).
+achieved GB/s and the share of the chip's DRAM bandwidth, and the speed-up of
+torch.ops.marlin.gemm against fp16 torch.matmul and torch._weight_int4pack_mm
+on MPS, for M in {1, 4, 16, 64, 256} on LLaMA-7B layer shapes, with warm-up
+and rotating weight buffers (several copies of the weights, more bytes than
+the GPU caches, used round-robin). The chip is read from sysctl and
+system_profiler; --peak-gbs overrides its bandwidth.
 
-Everywhere else (Linux CI): per kernel and shape, the device bytes the
+Everywhere (Linux CI too): per kernel and shape, the device bytes the
 dispatch plan's launches request (without cache hits) and their threadgroup
 memory, against the ideal traffic (weights, scales/zeros and activations read
-once, output written once). Nothing is timed there: the emulator says nothing
-about GPU speed.
+once, output written once); with --estimates, the per-kernel accounting of
+docs/KERNELS.md (bytes and ALU instructions per weight, counted from the
+kernel source) and the bound it gives on each M1-M4 Pro/Max. Nothing is timed
+there: the emulator says nothing about GPU speed, and the bounds are estimates.
 
-With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
-the dense layout of the same format, the same way (plan traffic everywhere,
-median times on a Mac).
-
-    python3 benchmarks/bench_mps.py [--format fp4] [--group-size 128] [--plan-only] [--sparse]
+    python3 benchmarks/bench_mps.py [--format fp4] [--group-size 128] [--plan-only] [--estimates]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -40,10 +42,172 @@ SHAPES = {  # name: (N, K) of W^T = B [K, N]
 M_VALUES = (1, 4, 16, 64, 256)
 DTYPE_SIZE = {"f16": 2, "bf16": 2, "f32": 4}
 
+# --- chips: Apple's published GPU core counts and memory bandwidth (GB/s, the
+# press releases / tech specs of each chip). Apple publishes no GPU clock
+# after M1: M1 Pro/Max from Apple's 5.2 / 10.4 TFLOPS (cores x 128 FP32 lanes
+# x 2 flops x clock), M2 from metal-benchmarks (philipturner), M3/M4 assumed.
+# Every ALU figure below scales linearly with the clock.
+CHIPS = {  # name: (GPU cores, bandwidth GB/s, GPU clock GHz, clock source)
+    "M1 Pro": (16, 200, 1.27, "Apple 5.2 TFLOPS"),
+    "M1 Max": (32, 400, 1.27, "Apple 10.4 TFLOPS"),
+    "M2 Pro": (19, 200, 1.398, "metal-benchmarks"),
+    "M2 Max": (38, 400, 1.398, "metal-benchmarks"),
+    "M3 Pro": (18, 150, 1.4, "assumed"),
+    "M3 Max 30c": (30, 300, 1.4, "assumed"),
+    "M3 Max 40c": (40, 400, 1.4, "assumed"),
+    "M4 Pro": (20, 273, 1.4, "assumed"),
+    "M4 Max 32c": (32, 410, 1.4, "assumed"),
+    "M4 Max 40c": (40, 546, 1.4, "assumed"),
+}
+LANES = 128  # FP32 / simple-integer lanes per GPU core (one instruction each per cycle)
+COMPLEX_LANES = 32  # shifts, conversions: 4 cycles per instruction (metal-benchmarks)
+MMA_EFFICIENCY = 0.8  # simdgroup_matrix fp32 8x8x8: ~20 cycles for 16 FMAs per lane (metal-benchmarks)
 
-def ideal_bytes(m, n, k, groups, fmt, t, sparse=False):
-    codes = k // 16 * n * 4 + k // 32 * n * 4 if sparse else k // 8 * n * 4  # 2:4: values + metadata
-    weights = codes + groups * n * 2 * (2 if fmt == "uint4" else 1)
+
+def _chip_rates(chip):
+    cores, gbs, ghz, _ = CHIPS[chip]
+    return gbs * 1e9, cores * LANES * ghz * 1e9, cores * COMPLEX_LANES * ghz * 1e9
+
+
+# --- per-kernel accounting, counted from the source (docs/KERNELS.md explains
+# each term). Costs per weight (one 4-bit code): `simple` = full-rate
+# instructions (fp32/fp16 add, mul, fma; and/or; iadd incl. shifts by 1..4),
+# `complex` = quarter-rate ones (other shifts, int<->float conversions).
+# 16-bit float sources of fp32 instructions are free on Apple GPUs.
+
+def param_bytes(fmt, gs):
+    """DRAM bytes of scales (and zeros) per weight."""
+    return 0.0 if gs == -1 else 2.0 * (2 if fmt == "uint4" else 1) / gs
+
+
+def decode_word(fmt):
+    """marlin_raw_pair for p = 0..3 with constant p (metal/marlin_dequant.h): (simple, complex) per word."""
+    if fmt == "fp4":
+        # per pair: (t + t) & 0x0E000E00 | (t << 4) & 0x80008000 with t = w << 8, w << 4, w, w >> 4.
+        # Counted as the compiler canonicalizes it: the shifts fold into w << 9, 12 (p = 0), 5, 8
+        # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, w (p = 3; clang -O2 emits
+        # exactly these): 8 and + 4 or + 2 iadd full rate, 5 quarter-rate shifts
+        return 8 + 4 + 2, 5
+    # per pair: &, | 0x64006400, one half2 fma (2 fp16 instructions); w >> 8 once
+    return 4 * 4, 1
+
+
+def gemv_costs(fmt, gs, m, dtype="f16"):
+    """marlin_gemv: (simple, complex, DRAM bytes) per weight for M = m rows."""
+    simple, complex_ = decode_word(fmt)
+    run = 2 if gs == 16 else 4  # rows summed raw before the group's scale is applied
+    flush = (2 if fmt == "uint4" else 1) / run  # fma (uint4: zero term too) per word and row
+    scale_fold = 1.0 / run if fmt == "fp4" else 0.0  # scale * 2^14, per column and run
+    xsum = 2.0 if fmt == "uint4" else 0.0  # 8 adds per row and word, shared by the lane's 4 columns
+    per_row = 8 + flush + xsum
+    cvt = 2.0 if dtype == "bf16" else 0.0  # 8 bf16 -> fp32 per row and word, shared by 4 columns
+    words = simple + scale_fold + m * per_row
+    return words / 8, (complex_ + m * cvt) / 8, 0.5 + param_bytes(fmt, gs)
+
+
+def gemm_costs(kernel, fmt, gs, tm):
+    """Fused / tiled GEMM: (simple, complex, MMA lane-FMAs, bytes) per weight and M tile of tm rows."""
+    if kernel == "fused":
+        # per lane and fragment one pair (2 weights) with a lane-dependent p: fp4 a select of two
+        # shifts + 5, ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub more)
+        simple = ((6 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0)) / 2
+        complex_ = (2 if fmt == "fp4" else 1) / 2
+    else:
+        # one word per thread and stage: constant-p decode, 8 mul (uint4: 8 sub more); the 8
+        # threadgroup stores are memory instructions, not ALU
+        s, c = decode_word(fmt)
+        simple, complex_ = (s + 8 + (8 if fmt == "uint4" else 0)) / 8, c / 8
+    return simple, complex_, tm / MMA_EFFICIENCY, 0.5 + param_bytes(fmt, gs)
+
+
+def gemv_bound(chip, fmt, gs, m, dtype="f16"):
+    """(ALU busy at full DRAM bandwidth, share of the bandwidth reachable, bytes per weight)."""
+    bw, simple_rate, complex_rate = _chip_rates(chip)
+    simple, complex_, nbytes = gemv_costs(fmt, gs, m, dtype)
+    weights_per_s = bw / nbytes
+    busy = max(weights_per_s * simple / simple_rate, weights_per_s * complex_ / complex_rate)
+    return busy, min(1.0, 1.0 / busy), nbytes
+
+
+def report_estimates(fmt, gs):
+    print(f"# estimated bounds (not measurements), format={fmt}, group_size={gs}, fp16 x unless noted")
+    for m, dt in ((1, "f16"), (1, "bf16"), (8, "f16")):
+        simple, complex_, nbytes = gemv_costs(fmt, gs, m, dt)
+        print(f"# GEMV M={m} {dt}: {nbytes:.4f} DRAM bytes, {simple:.2f} full-rate + {complex_:.3f} quarter-rate "
+              "instructions per weight")
+    print("# GEMV: ALU busy at the chip's full DRAM bandwidth -> share of the bandwidth reachable")
+    print("# (ALU-limited when busy > 100%), and the time of a 4096 x 4096 layer at that rate")
+    rows = [(1, "f16"), (1, "bf16"), (4, "f16"), (8, "f16")]
+    head = "".join(f"{f'M={m} {dt}':>22}" for m, dt in rows)
+    print(f"{'chip':12} {'cores':>5} {'GB/s':>5} {'GHz':>6}{head}")
+    for chip, (cores, gbs, ghz, _) in CHIPS.items():
+        cells = []
+        for m, dt in rows:
+            busy, share, nbytes = gemv_bound(chip, fmt, gs, m, dt)
+            us = 4096 * 4096 * nbytes / (gbs * 1e9 * share) * 1e6
+            cells.append(f"{busy * 100:4.0f}% ->{share * 100:4.0f}% {us:5.1f}us")
+        print(f"{chip:12} {cores:5d} {gbs:5d} {ghz:6.3f}" + "".join(f"{c:>22}" for c in cells))
+    print("# GEMMs at N = K = 4096: estimated share of FP32 peak spent in MMAs (memory or decode-limited below)")
+    print(f"{'chip':12}" + "".join(f"{f'{k} M={m}':>16}" for k, m in (("fused", 16), ("fused", 64), ("tiled", 256),
+                                                                       ("tiled", 4096))))
+    for chip in CHIPS:
+        bw, simple_rate, complex_rate = _chip_rates(chip)
+        cells = []
+        for kernel, m in (("fused", 16), ("fused", 64), ("tiled", 256), ("tiled", 4096)):
+            tm = 32 if kernel == "fused" and m <= 32 else 64
+            simple, complex_, mma, nbytes = gemm_costs(kernel, fmt, gs, tm)
+            tiles = math.ceil(m / tm)
+            weights = 4096 * 4096
+            t_mem = weights * nbytes * tiles / bw
+            t_alu = max(weights * tiles * (simple + mma) / simple_rate, weights * tiles * complex_ / complex_rate)
+            useful = 2.0 * m * weights / (2.0 * simple_rate)  # MMA flops of the real rows at peak
+            cells.append(f"{useful / max(t_mem, t_alu) * 100:15.0f}%")
+        print(f"{chip:12}" + "".join(cells))
+
+
+# --- threadgroup-memory bank model: 32 banks of 4 bytes (Apple documents no
+# banking; this is the usual GPU layout). An access of one simdgroup costs as
+# many cycles as the most distinct 4-byte words falling into one bank (lanes
+# reading the same word share it); "optimum" is its size / 128 bytes.
+
+def _lane(lane):
+    """Row and first column of a lane in an 8x8 simdgroup_matrix fragment (metal/marlin_tile.h)."""
+    return (lane // 4 & 4) + (lane // 2) % 4, (lane // 4 & 2) * 2 + (lane % 2) * 2
+
+
+def _cycles(accesses):
+    words = {w for start, size in accesses for w in range(start // 4, (start + size + 3) // 4)}
+    banks = {}
+    for w in words:
+        banks[w % 32] = banks.get(w % 32, 0) + 1
+    return max(banks.values()), max(1, math.ceil(len(words) / 32))
+
+
+def report_banks():
+    import torch_marlin
+
+    t = torch_marlin._C.SHARED_CONSTANTS["METAL_TILES"]
+    tk, tn, pad = t["GEMM_TILE_K"], t["GEMM_TILE_N"], t["TILE_PAD_BYTES"]
+    print("# threadgroup tile accesses per simdgroup instruction: cycles in the bank model (optimum)")
+    for size, name in ((2, "f16/bf16"), (4, "f32")):
+        sx = tk + pad // size
+        # fused GEMM: x^T fragment, two scalar reads per lane of rows col, col + 1 (K permuted)
+        fused = max(_cycles([(((c + e) * sx + (r >> 1) + 4 * (r & 1)) * size, size)
+                             for r, c in map(_lane, range(32))])[0] for e in (0, 1))
+        # tiled GEMM: x fragment, one 2-element read per lane
+        tiled = _cycles([((r * sx + c) * size, 2 * size) for r, c in map(_lane, range(32))])
+        # x-tile loader: one 4-element store per thread, 4 chunks per row
+        load = _cycles([((i // (tk // 4) * sx + 4 * (i % (tk // 4))) * size, 4 * size) for i in range(32)])
+        print(f"  x tile {name:8} row stride {sx * size:3d} B: fused x^T read {fused} (1), tiled x read "
+              f"{tiled[0]} ({tiled[1]}), loader store {load[0]} ({load[1]})")
+    for stride in (tn, tn + pad // 4):
+        b = _cycles([((r * stride + c) * 4, 4) for r in range(8) for c in range(8)])
+        print(f"  tiled B tile, row stride {stride * 4} B: 8x8 fp32 simdgroup_load {b[0]} ({b[1]})"
+              + ("  <- unpadded, for comparison" if stride == tn else ""))
+
+
+def ideal_bytes(m, n, k, groups, fmt, t):
+    weights = k // 8 * n * 4 + groups * n * 2 * (2 if fmt == "uint4" else 1)
     return weights + m * k * t + m * n * t
 
 
@@ -51,65 +215,23 @@ def plan_bytes(plan, fmt):
     """Device bytes requested by the plan's launches, counting every threadgroup's loads."""
     m, n, k, t = plan["M"], plan["N"], plan["K"], DTYPE_SIZE[plan["dtype"]]
     groups = k // plan["group_rows"]
-    sz = 2 if fmt == "uint4" else 1  # scales (+ zeros), fp16
+    params = groups * n * 2 * (2 if fmt == "uint4" else 1)  # scales (+ zeros), fp16
+    out = m * n * (4 if plan["splits"] > 1 else t)  # fp32 partial tiles with a K split
     total = 0
     for l in plan["launches"]:
         gx, gy, gz = l["grid"]
         name = l["kernel"]
         if name.startswith("marlin_gemv_"):
-            # weights once; every packed row reloads its group's scales (L1/L2 hits);
-            # every threadgroup reads all of x
-            total += k // 8 * n * 4 + k // 8 * n * 2 * sz + gx * m * k * t + m * n * t
+            # weights and their group params once per lane run; every threadgroup reads x of its slice
+            total += k // 8 * n * 4 + params + gx * m * k * t + out
         elif name.startswith(("marlin_gemm_fused_", "marlin_gemm_tiled_")):
-            tm = 64 if "tiled" in name or name.endswith("tm64") else 32
-            tiles_m = gy
-            # per (m-tile): all weights of the N range and their per-row params, x rows of the tile
-            total += tiles_m * (k // 8 * n * 4 + k // 8 * n * 2 * sz) + gx * m * k * t
-            total += m * n * (4 * gz if gz > 1 else t)
-            del tm
+            # per M tile: all weights of the N range and their params, x rows of the tile per N tile
+            total += gy * (k // 8 * n * 4 + params) + gx * m * k * t + out
         elif name.startswith("marlin_reduce_"):
-            splits = plan["splits"]
-            total += splits * m * n * 4 + m * n * t
+            total += plan["splits"] * m * n * 4 + m * n * t
         elif name.startswith("marlin_dequant_"):
-            total += k // 8 * n * 4 + k // 8 * n * 2 * sz + k * n * t
-        elif name.startswith("marlin_sparse24_gemv_"):
-            # values and metadata once (the odd values row's lanes share the even one's metadata load);
-            # every values row reloads its group's params; every threadgroup reads all of x
-            total += k // 16 * n * 4 + k // 32 * n * 4 + k // 16 * n * 2 * sz + gx * m * k * t + m * n * t
-        elif name.startswith("marlin_sparse24_gemm_"):
-            total += gy * (k // 16 * n * 4 + k // 32 * n * 4 + k // 16 * n * 2 * sz) + gx * m * k * t
-            total += m * n * (4 * gz if gz > 1 else t)
-        elif name.startswith("marlin_sparse24_dequant_"):
-            total += k // 16 * n * 4 + k // 32 * n * 4 + k // 16 * n * 2 * sz + k * n * t
-    sparse = plan_is_sparse(plan)
-    return total, ideal_bytes(m, n, k, groups, fmt, t, sparse)
-
-
-def plan_is_sparse(plan):
-    return any(l["kernel"].startswith("marlin_sparse24_") for l in plan["launches"])
-
-
-def sparse_meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
-    x, _, scales, zeros = meta_inputs(m, n, k, fmt, gs, dtype, device)
-    values = torch.empty(k // 16, n, dtype=torch.int32, device=device)
-    metadata = torch.empty(k // 32, n, dtype=torch.int32, device=device)
-    return x, values, metadata, scales, zeros
-
-
-def report_sparse_plans(fmt, gs, dtype=torch.float16):
-    """Requested device bytes of the 2:4 plans against the dense plans of the same problem."""
-    print(f"# 2:4 sparse vs dense plan traffic, format={fmt}, group_size={gs}, dtype={dtype}")
-    print(f"{'shape':24} {'M':>5} {'sparse kernels':40} {'MB dense':>9} {'MB 2:4':>9} {'req. x':>7} "
-          f"{'ideal x':>7}")
-    for name, (n, k) in SHAPES.items():
-        for m in M_VALUES:
-            dense = metal_plan("gemm", *meta_inputs(m, n, k, fmt, gs, dtype), None, fmt, gs)
-            x, values, metadata, scales, zeros = sparse_meta_inputs(m, n, k, fmt, gs, dtype)
-            sparse = metal_plan("sparse24_gemm", x, values, metadata, scales, zeros, None, fmt, gs)
-            (dreq, dideal), (sreq, sideal) = plan_bytes(dense, fmt), plan_bytes(sparse, fmt)
-            kernels = "+".join(l["kernel"].replace("marlin_", "") for l in sparse["launches"])
-            print(f"{name:24} {m:5d} {kernels:40} {dreq / 1e6:9.2f} {sreq / 1e6:9.2f} {dreq / sreq:7.2f} "
-                  f"{dideal / sideal:7.2f}")
+            total += k // 8 * n * 4 + params + k * n * t
+    return total, ideal_bytes(m, n, k, groups, fmt, t)
 
 
 def meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
@@ -123,7 +245,7 @@ def meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
 
 def report_plans(fmt, gs, dtype=torch.float16):
     print(f"# dispatch plan traffic, format={fmt}, group_size={gs}, dtype={dtype}")
-    print(f"{'shape':24} {'M':>5} {'kernels':44} {'grid':>16} {'tg mem':>7} {'MB req':>9} {'MB ideal':>9} {'ratio':>6}")
+    print(f"{'shape':24} {'M':>5} {'kernels':40} {'grid':>12} {'tg mem':>7} {'MB req':>9} {'MB ideal':>9} {'ratio':>6}")
     for name, (n, k) in SHAPES.items():
         for m in M_VALUES:
             x, packed, scales, zeros = meta_inputs(m, n, k, fmt, gs, dtype)
@@ -132,7 +254,26 @@ def report_plans(fmt, gs, dtype=torch.float16):
             kernels = "+".join(l["kernel"].replace("marlin_", "") for l in plan["launches"])
             grid = "x".join(map(str, plan["launches"][0]["grid"]))
             tg = max(l["threadgroup_memory"] for l in plan["launches"])
-            print(f"{name:24} {m:5d} {kernels:44} {grid:>16} {tg:7d} {req / 1e6:9.2f} {ideal / 1e6:9.2f} {req / ideal:6.2f}")
+            print(f"{name:24} {m:5d} {kernels:40} {grid:>12} {tg:7d} {req / 1e6:9.2f} {ideal / 1e6:9.2f} {req / ideal:6.2f}")
+
+
+def detect_chip():
+    """(name, DRAM GB/s) of this Mac's chip from CHIPS, or (name, None)."""
+    if platform.system() != "Darwin":
+        return None, None
+    try:
+        brand = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        gpu = subprocess.run(["system_profiler", "SPDisplaysDataType"], capture_output=True, text=True,
+                             timeout=60).stdout
+        cores = next((int(l.split(":")[1]) for l in gpu.splitlines() if "Total Number of Cores" in l), None)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None, None
+    base = brand.replace("Apple ", "")
+    for name, (c, gbs, _, _) in CHIPS.items():
+        if name.split(" ")[:2] == base.split(" ")[:2] and (name.count(" ") == 1 or c == cores):
+            return f"{base} ({cores}-core GPU)", gbs
+    return f"{base} ({cores}-core GPU)", None
 
 
 def _median_ms(fn, n_iter=50, warmup=10):
@@ -174,14 +315,18 @@ def _int4pack_fn(x, n, k, gs, copies):
     return run
 
 
-def bench_device(fmt, gs, cache_bytes=256 << 20):
+def bench_device(fmt, gs, peak_gbs, cache_bytes=256 << 20):
     dev = "mps"
-    print(f"# MPS timings, format={fmt}, group_size={gs}, fp16 activations (median ms)")
-    print(f"{'shape':24} {'M':>5} {'marlin':>8} {'GB/s':>7} {'fp16 mm':>8} {'x':>6} {'int4pack':>9} {'x':>6}")
+    chip, chip_gbs = detect_chip()
+    peak = peak_gbs or chip_gbs
+    print(f"# MPS timings on {chip or 'unknown chip'}, DRAM peak "
+          f"{f'{peak} GB/s' if peak else 'unknown (pass --peak-gbs)'}, format={fmt}, group_size={gs}, "
+          f"fp16 activations (median ms; GB/s = ideal bytes / time)")
+    print(f"{'shape':24} {'M':>5} {'marlin':>8} {'GB/s':>7} {'%peak':>6} {'fp16 mm':>8} {'x':>6} {'int4pack':>9} {'x':>6}")
     for name, (n, k) in SHAPES.items():
         weight_bytes = k // 8 * n * 4
         copies = max(2, min(32, math.ceil(cache_bytes / weight_bytes)))
-        groups = k // gs
+        groups = k // gs if gs != -1 else 1
         ws = []
         for _ in range(copies):
             packed = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
@@ -207,65 +352,32 @@ def bench_device(fmt, gs, cache_bytes=256 << 20):
 
             t_m = _median_ms(marlin)
             t_f = _median_ms(fp16)
-            i4 = _int4pack_fn(x, n, k, gs, copies)
+            i4 = _int4pack_fn(x, n, k, gs, copies) if gs != -1 else None
             t_i = _median_ms(i4) if i4 else float("nan")
-            ideal = ideal_bytes(m, n, k, groups, fmt, 2)
-            print(f"{name:24} {m:5d} {t_m:8.3f} {ideal / t_m / 1e6:7.1f} {t_f:8.3f} {t_f / t_m:6.2f} "
+            gbs = ideal_bytes(m, n, k, groups, fmt, 2) / t_m / 1e6
+            share = f"{gbs / peak * 100:5.0f}%" if peak else "    ?"
+            print(f"{name:24} {m:5d} {t_m:8.3f} {gbs:7.1f} {share:>6} {t_f:8.3f} {t_f / t_m:6.2f} "
                   f"{t_i:9.3f} {t_i / t_m:6.2f}")
-
-
-def bench_sparse_device(fmt, gs, cache_bytes=256 << 20):
-    """Median ms of sparse24_gemm against gemm of the same format on MPS (rotating weight copies)."""
-    dev = "mps"
-    print(f"# MPS timings, 2:4 sparse vs dense, format={fmt}, group_size={gs}, fp16 activations (median ms)")
-    print(f"{'shape':24} {'M':>5} {'dense':>8} {'2:4':>8} {'x':>6}")
-    for name, (n, k) in SHAPES.items():
-        copies = max(2, min(32, math.ceil(cache_bytes / (k // 8 * n * 4))))
-        groups = k // gs
-        dense_w, sparse_w = [], []
-        for _ in range(copies):
-            scales = torch.rand(groups, n, dtype=torch.float16, device=dev)
-            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if fmt == "uint4" else None
-            dense_w.append((torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev), scales,
-                            zeros))
-            # metadata of valid patterns only: every nibble (0, 1) = 0x4
-            sparse_w.append((torch.randint(-2**31, 2**31 - 1, (k // 16, n), dtype=torch.int32, device=dev),
-                             torch.full((k // 32, n), 0x44444444, dtype=torch.int32, device=dev), scales, zeros))
-        for m in M_VALUES:
-            x = torch.randn(m, k, dtype=torch.float16, device=dev)
-            it = [0, 0]
-
-            def dense():
-                p, s, z = dense_w[it[0] % copies]
-                it[0] += 1
-                return torch.ops.marlin.gemm(x, p, s, z, None, fmt, gs)
-
-            def sparse():
-                v, md, s, z = sparse_w[it[1] % copies]
-                it[1] += 1
-                return torch.ops.marlin.sparse24_gemm(x, v, md, s, z, None, fmt, gs)
-
-            t_d, t_s = _median_ms(dense), _median_ms(sparse)
-            print(f"{name:24} {m:5d} {t_d:8.3f} {t_s:8.3f} {t_d / t_s:6.2f}")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", default="fp4", choices=WEIGHT_FORMATS)
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--plan-only", action="store_true", help="only the plan traffic report")
-    ap.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
+    ap.add_argument("--plan-only", action="store_true", help="only the plan traffic report (and --estimates)")
+    ap.add_argument("--estimates", action="store_true", help="the per-chip bounds of docs/KERNELS.md")
+    ap.add_argument("--peak-gbs", type=float, help="the chip's DRAM bandwidth, when it is not detected")
     args = ap.parse_args()
-    if args.sparse:
-        report_sparse_plans(args.format, args.group_size)
-    else:
-        report_plans(args.format, args.group_size)
+    report_plans(args.format, args.group_size)
+    if args.estimates:
+        report_estimates(args.format, args.group_size)
+        report_banks()
     mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     if mps and not args.plan_only:
         if not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm", "MPS"):
             print("torch_marlin was built without the MPS bridge: no device timings")
             return
-        (bench_sparse_device if args.sparse else bench_device)(args.format, args.group_size)
+        bench_device(args.format, args.group_size, args.peak_gbs)
     elif not mps:
         print("(no MPS device: device timings skipped)")
 

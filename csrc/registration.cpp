@@ -29,9 +29,25 @@ PyObject* shared_constants() {
   for (int i = 0; i < marlin::kNumGroupSizes; ++i) PyTuple_SET_ITEM(groups, i, PyLong_FromLong(marlin::kGroupSizes[i]));
   PyObject* zeros_tuple = PyList_AsTuple(with_zeros);
   Py_DECREF(with_zeros);
-  return Py_BuildValue("{s:N,s:N,s:N,s:i,s:i}", "WEIGHT_FORMATS", formats, "FORMATS_WITH_ZEROS", zeros_tuple,
+  // Metal function constants: MSL name -> (index, MSL type).
+  PyObject* constants = PyDict_New();
+#define MARLIN_FC_ENTRY(e, name, index, type)                    \
+  {                                                              \
+    PyObject* entry = Py_BuildValue("(is)", index, #type);       \
+    PyDict_SetItemString(constants, #name, entry);               \
+    Py_DECREF(entry);                                            \
+  }
+  MARLIN_FOR_EACH_FUNCTION_CONSTANT(MARLIN_FC_ENTRY)
+#undef MARLIN_FC_ENTRY
+  // Metal tile sizes, for the estimates of benchmarks/bench_mps.py.
+  PyObject* tiles = Py_BuildValue("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i}", "GEMV_COLUMNS", marlin::kGemvColumns,
+                                  "GEMV_SIMDGROUPS", marlin::kGemvSimdgroups, "GEMV_LANE_ROWS",
+                                  marlin::kGemvLaneRows, "GEMM_THREADS", marlin::kGemmThreads, "GEMM_TILE_N",
+                                  marlin::kGemmTileN, "GEMM_TILE_K", marlin::kGemmTileK, "TILED_TILE_M",
+                                  marlin::kTiledTileM, "TILE_PAD_BYTES", marlin::kTilePadBytes);
+  return Py_BuildValue("{s:N,s:N,s:N,s:i,s:i,s:N,s:N}", "WEIGHT_FORMATS", formats, "FORMATS_WITH_ZEROS", zeros_tuple,
                        "GROUP_SIZES", groups, "PACK_FACTOR", marlin::kPackFactor, "INT4_OFFSET",
-                       marlin::kInt4Offset);
+                       marlin::kInt4Offset, "FUNCTION_CONSTANTS", constants, "METAL_TILES", tiles);
 }
 
 // An op with Metal kernels also gets `_metal_plan_<name>`: the same arguments,

@@ -58,30 +58,81 @@ MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};
   X(f32, float, Float, __VA_ARGS__)
 #endif
 
-// --- Metal tiles: what the planner launches and the kernels assume --------------
+// --- Metal kernels: function constants, tiles ------------------------------------
+
+// Function constants, X(enumerator, MSL name, index, MSL type): metal/marlin_dequant.h
+// declares them from this list and the planner (csrc/core/metal_plan_dense.cpp)
+// sets them by enumerator, so the indices cannot drift apart. A pipeline is
+// specialized per value (the Metal compiler folds them: no runtime division by
+// the group size, loops bounded by the exact row count).
+#define MARLIN_FOR_EACH_FUNCTION_CONSTANT(X)                                                      \
+  X(kFcHasBias, marlin_has_bias, 0, bool)           /* add bias[n] before rounding */             \
+  X(kFcWritePartial, marlin_write_partial, 1, bool) /* K split: store fp32 partial tiles */       \
+  X(kFcAligned, marlin_aligned, 2, bool)            /* N % 4 == 0, buffers 16-byte aligned */     \
+  X(kFcGroupRows, marlin_group_rows, 3, uint)       /* packed rows per group, 0: one group */     \
+  X(kFcRows, marlin_rows, 4, uint)                  /* GEMV: rows of x (M), 1..kGemvMaxRows */
+
+#if !defined(__METAL_VERSION__)
+#define MARLIN_FC_ENUM(e, name, index, type) e = index,
+enum FunctionConstant : int { MARLIN_FOR_EACH_FUNCTION_CONSTANT(MARLIN_FC_ENUM) };
+#undef MARLIN_FC_ENUM
+#endif
 
 MARLIN_CONSTEXPR int kMaxThreadgroupMemory = 32 * 1024;  // bytes, every Apple GPU
+// Budget per 128 threads: at least two threadgroups of every kernel fit a GPU
+// core's threadgroup memory (docs/KERNELS.md).
+MARLIN_CONSTEXPR int kThreadgroupMemoryBudget = 16 * 1024;
 // Lanes per simdgroup on Apple GPUs; every kernel's lane arithmetic assumes it
 // (the MPS bridge checks each pipeline's threadExecutionWidth).
 MARLIN_CONSTEXPR int kSimdWidth = 32;
 
-// Decode GEMV (metal/gemv.metal): a threadgroup of kGemvSimdgroups simdgroups
-// owns kGemvColumns output columns and all of K, for up to kGemvMaxRows rows.
+// Decode GEMV (metal/marlin_gemv.h): a threadgroup of up to kGemvSimdgroups
+// simdgroups owns kGemvColumns output columns of one K slice. Lane 8 * kl + cl
+// reads 4 adjacent packed words (16 bytes: columns 4 cl .. 4 cl + 3) of
+// kGemvLaneRows consecutive packed rows; the 4 kl lanes take the 4 runs of a
+// block of kGemvBlockRows rows, the simdgroups take blocks round-robin.
 MARLIN_CONSTEXPR int kGemvColumns = 32;
 MARLIN_CONSTEXPR int kGemvSimdgroups = 8;
 MARLIN_CONSTEXPR int kGemvMaxRows = 8;
+MARLIN_CONSTEXPR int kGemvLaneRows = 4;
+MARLIN_CONSTEXPR int kGemvBlockRows = 4 * kGemvLaneRows;
 
-// GEMMs (metal/gemm_fused.metal, metal/gemm_tiled.metal): kGemmThreads threads
-// (4 simdgroups) own a TM x kGemmTileN output tile and step through K in
-// stages of kGemmTileK. The fused GEMM has TM = 32 or 64 (template), the
-// tiled GEMM kTiledTileM.
+// GEMMs (metal/marlin_gemm_fused.h, metal/marlin_gemm_tiled.h): kGemmThreads
+// threads (4 simdgroups) own a TM x kGemmTileN output tile and step through K
+// in stages of kGemmTileK (the K split cuts K at stage boundaries). The fused
+// GEMM has TM = 32 or 64 (template), the tiled GEMM kTiledTileM.
 MARLIN_CONSTEXPR int kGemmThreads = 128;
 MARLIN_CONSTEXPR int kGemmTileN = 64;
-MARLIN_CONSTEXPR int kGemmTileK = 32;
+MARLIN_CONSTEXPR int kGemmTileK = 16;
 MARLIN_CONSTEXPR int kFusedMaxRows = 64;  // M above this: the tiled GEMM
 MARLIN_CONSTEXPR int kTiledTileM = 64;
+static_assert(kGemmTileK % 8 == 0 && kGemmTileK <= 16,
+              "a GEMM stage is whole packed rows inside one group (the smallest group is 16 K)");
+static_assert(kGemmTileK / 8 * kGemmTileN == kGemmThreads, "the tiled GEMM decodes one word per thread and stage");
 
-// Standalone dequantize (metal/dequant.metal): threadgroup of
+// Threadgroup tiles: every row is padded by 16 bytes so that the rows an
+// 8 x 8 fragment read touches start in different banks.
+MARLIN_CONSTEXPR int kTilePadBytes = 16;
+// Row stride (elements) of an x tile [TM][kGemmTileK] of elements of `size` bytes.
+inline constexpr int x_tile_stride(int size) { return kGemmTileK + kTilePadBytes / size; }
+// Row stride (floats) of the tiled GEMM's dequantized B tile [kGemmTileK][kGemmTileN].
+inline constexpr int b_tile_stride() { return kGemmTileN + kTilePadBytes / 4; }
+
+// Threadgroup memory (bytes) of each kernel, for the planner and the kernels alike.
+inline constexpr int gemv_threadgroup_memory(int rows) { return kGemvSimdgroups * rows * kGemvColumns * 4; }
+// Fused GEMM: double-buffered x tile [2][TM][x_tile_stride] of T.
+inline constexpr int fused_threadgroup_memory(int tm, int size) { return 2 * tm * x_tile_stride(size) * size; }
+// Tiled GEMM: x tile [kTiledTileM][x_tile_stride] of T, then the fp32 B tile.
+inline constexpr int tiled_x_tile_bytes(int size) { return kTiledTileM * x_tile_stride(size) * size; }
+inline constexpr int tiled_threadgroup_memory(int size) {
+  return tiled_x_tile_bytes(size) + kGemmTileK * b_tile_stride() * 4;
+}
+
+// K-split reduction (metal/marlin_reduce.h): outputs per threadgroup (one per
+// planned thread).
+MARLIN_CONSTEXPR int kReduceOutputs = 256;
+
+// Standalone dequantize (metal/marlin_dequantize.h): threadgroup of
 // kDequantColumns x kDequantRows threads, one packed word each.
 MARLIN_CONSTEXPR int kDequantColumns = 32;
 MARLIN_CONSTEXPR int kDequantRows = 4;

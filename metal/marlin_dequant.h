@@ -1,22 +1,23 @@
-// Shared by every torch_marlin Metal kernel: bitwise 4-bit -> float dequant
-// of the packing of docs/FORMAT.md (int32 [K/8, N], nibble j of word [r, n]
-// = code of B[8r + j, n], least significant nibble first). No lookup tables.
+// Shared by every torch_marlin Metal kernel: the function constants and the
+// bitwise 4-bit decode of the packing of docs/FORMAT.md (int32 [K/8, N],
+// nibble j of word [r, n] = code of B[8r + j, n], least significant nibble
+// first). No lookup tables, no integer division.
 //
-// Each helper decodes a *consecutive* nibble pair (j, j + 1) of one word into
-// a half2 `raw` whose .x is nibble j and .y is nibble j + 1, so one lane can
-// fill the two elements of a simdgroup_matrix fragment it owns (two adjacent
-// K values of one output column) straight from one packed word.
+// marlin_raw_pair<F>(w, p) decodes nibbles p and p + 4 of a word (p = 0..3)
+// into a half2 `raw`, exactly:
+//   fp4   raw = e2m1 value * 2^-14 (the e2m1 bits moved into half fields; the
+//         2^14 is folded into the group's fp32 scale)
+//   int4  raw = q - 8
+//   uint4 raw = q (the zero point is applied per group, see MarlinParams)
+// The pair (p, p + 4) is what one shift-and-mask puts into the two 16-bit
+// halves of a word. Kernels reading two *adjacent* K values per lane (the
+// simdgroup_matrix fragments) permute K inside each 8-row block to match
+// (metal/marlin_tile.h), which does not change any sum over K.
 //
-// The dequantized weight is then (float(raw) - offset) * scale with per
-// (group, column) constants from make_params():
-//   fp4   raw = e2m1 bits moved into half fields = value * 2^-14, offset 0,
-//         scale * 2^14 (the exponent-bias correction folded into the scale)
-//   int4  raw = 1024 + q (0x6400 magic), offset 1024 + 8
-//   uint4 raw = 1024 + q (0x6400 magic), offset 1024, then - zero
-// Every step is exact in fp32 for fp4 and int4 (a code has <= 2 significant
-// bits, a scale 11), so rounding the result once to the output dtype gives
-// the CPU op's value bit for bit. uint4 computes (q - zero) * scale in fp32
-// like the CPU op (1024 + zero would not be exact in fp32 for small zeros).
+// The dequantized weight is (raw - zero) * scale in fp32 (zero = 0 but for
+// uint4). Every step is exact for fp4 and int4 (a code has <= 2 significant
+// bits, a scale 11), so rounding once to the output dtype gives the CPU op's
+// value bit for bit; uint4 computes (q - zero) * scale in fp32 like the CPU op.
 #pragma once
 
 #include <metal_simdgroup_matrix>
@@ -27,83 +28,74 @@
 using namespace metal;
 using namespace marlin;  // WeightFormat (template argument F below), tile constants
 
-// Nibbles j and j + 1 of `w` moved to bits 0..3 and 16..19 (one per half lane).
-inline uint marlin_spread_pair(uint w, uint j) {
-  const uint t = w >> (4u * j);
-  return (t & 0xFu) | ((t & 0xF0u) << 12);
+// Function constants (indices and meaning: MARLIN_FOR_EACH_FUNCTION_CONSTANT).
+#define MARLIN_FC_DECLARE(e, name, index, type) constant type name [[function_constant(index)]];
+MARLIN_FOR_EACH_FUNCTION_CONSTANT(MARLIN_FC_DECLARE)
+#undef MARLIN_FC_DECLARE
+
+// Group of packed row r (marlin_group_rows is a power of two, or 0 for one
+// group over all of K: a shift after specialization).
+inline uint marlin_group_of(uint r) { return marlin_group_rows == 0 ? 0u : r / marlin_group_rows; }
+
+// FP4 E2M1 nibbles p, p + 4 -> half bits [S 000 E1 E0 M 000000000] in each half:
+// the word is first moved so that nibble p sits at bits 8..11 (p + 4 at
+// 24..27); then t + t puts E1 E0 M at bits 9..11 and t << 4 the sign at bit 15
+// (shifts by 1..4 are plain integer adds on Apple GPUs). As a half this is
+// value * 2^-14 for every code, normal (exponent field E, bias 15 instead of 1)
+// and subnormal alike (0x1 -> 0x0200 = 2^-15 = 0.5 * 2^-14), and keeps -0.
+inline half2 marlin_fp4_pair(uint w, uint p) {
+  const uint t = p < 2 ? w << (8 - 4 * p) : w >> (4 * p - 8);
+  return as_type<half2>(((t + t) & 0x0E000E00u) | ((t << 4) & 0x80008000u));
 }
 
-// FP4 E2M1 [S E1 E0 M] -> half [S 00 0E1 E0 M 000000000]: sign to bit 15,
-// exponent and mantissa to bits 11..9. As a half this is value * 2^-14 for
-// every code, normal (E > 0: exponent field E, bias 15 instead of 1) and
-// subnormal alike (0x1 -> 0x0200 = 2^-15 = 0.5 * 2^-14), and keeps -0 (0x8000).
-inline half2 marlin_fp4_pair_raw(uint w, uint j) {
-  const uint x = marlin_spread_pair(w, j);
-  const uint bits = ((x & 0x00080008u) << 12) | ((x & 0x00070007u) << 9);
-  return as_type<half2>(bits);
+// 4-bit q -> half 1024 + q (q ORed into the mantissa of 0x6400 = 1024.0),
+// then the magic and the offset are removed in one exact half fma. Nibbles of
+// odd p (1, 5 and 3, 7) are decoded in place as 1024 + 16 q (q at mantissa
+// bits 4..7) and scaled by 1/16 in the same fma, so a word needs one shift
+// (w >> 8). Branch-free: p may differ between the lanes of a simdgroup.
+inline half2 marlin_int_pair(uint w, uint p, half offset) {
+  const bool odd = (p & 1u) != 0;
+  const uint t = (p & 2u) ? w >> 8 : w;
+  const half2 h = as_type<half2>((t & (odd ? 0x00F000F0u : 0x000F000Fu)) | 0x64006400u);
+  return fma(h, half2(odd ? 0.0625h : 1.0h), half2((odd ? -64.0h : -1024.0h) - offset));
 }
 
-// 4-bit q -> half 1024 + q: q ORed into the mantissa of 0x6400 (= 1024.0).
-inline half2 marlin_u4_pair_raw(uint w, uint j) {
-  return as_type<half2>(marlin_spread_pair(w, j) | 0x64006400u);
+template <WeightFormat F>
+inline half2 marlin_raw_pair(uint w, uint p) {
+  if (F == kFp4) return marlin_fp4_pair(w, p);
+  return marlin_int_pair(w, p, F == kInt4 ? half(kInt4Offset) : 0.0h);
 }
 
-struct MarlinDequantParams {
-  float scale;   // multiplies (raw - offset - zero)
-  float offset;  // subtracted from raw (exact)
-  float zero;    // uint4 only: zero point, subtracted after the offset
+// fp4 raw values are value * 2^-14: the group scale is multiplied by 2^14 (FP4
+// exponent bias 1 -> FP16 bias 15) in fp32, exactly.
+constant constexpr float kMarlinFp4ScaleFold = 16384.0f;
+
+// Per (group, column) constants: dequantized weight = (raw - zero) * scale.
+struct MarlinParams {
+  float scale;  // fp4: scale * kMarlinFp4ScaleFold
+  float zero;   // uint4 only
 };
 
 template <WeightFormat F>
-inline MarlinDequantParams marlin_make_params(half scale, half zero) {
-  MarlinDequantParams p;
-  if (F == kFp4) {
-    p.scale = float(scale) * 16384.0f;  // 2^14: FP4 bias 1 -> FP16 bias 15
-    p.offset = 0.0f;
-    p.zero = 0.0f;
-  } else if (F == kInt4) {
-    p.scale = float(scale);
-    p.offset = 1032.0f;  // magic 1024 + int4 offset 8
-    p.zero = 0.0f;
-  } else {
-    p.scale = float(scale);
-    p.offset = 1024.0f;  // magic
-    p.zero = float(zero);
-  }
+inline MarlinParams marlin_params(half scale, half zero) {
+  MarlinParams p;
+  p.scale = F == kFp4 ? float(scale) * kMarlinFp4ScaleFold : float(scale);
+  p.zero = has_zeros(F) ? float(zero) : 0.0f;
   return p;
 }
 
+// Group params of column n in group g.
 template <WeightFormat F>
-inline half2 marlin_pair_raw(uint w, uint j) {
-  if (F == kFp4) return marlin_fp4_pair_raw(w, j);
-  return marlin_u4_pair_raw(w, j);
+inline MarlinParams marlin_load_params(const device half* scales, const device half* zeros, uint g, uint n,
+                                       uint N) {
+  const ulong idx = ulong(g) * N + n;
+  return marlin_params<F>(scales[idx], has_zeros(F) ? zeros[idx] : 0.0h);
 }
 
-// Dequantized weights of nibbles (j, j + 1) of `w` in fp32.
+// Dequantized weights of nibbles p, p + 4 of w in fp32.
 template <WeightFormat F>
-inline float2 marlin_dequant_pair(uint w, uint j, MarlinDequantParams p) {
-  const float2 raw = float2(marlin_pair_raw<F>(w, j));
-  if (has_zeros(F)) return ((raw - p.offset) - p.zero) * p.scale;
-  return (raw - p.offset) * p.scale;
+inline float2 marlin_dequant_pair(uint w, uint p, MarlinParams params) {
+  const float2 raw = float2(marlin_raw_pair<F>(w, p));
+  if (has_zeros(F)) return (raw - params.zero) * params.scale;
+  return raw * params.scale;
 }
-
-// Group params of column `n` for packed row `r` (8 K values; a group always
-// holds whole rows since group sizes are multiples of 8).
-template <WeightFormat F>
-inline MarlinDequantParams marlin_load_params(const device half* scales, const device half* zeros,
-                                              uint r, uint n, uint N, uint group_rows) {
-  const ulong idx = ulong((8u * r) / group_rows) * N + n;
-  return marlin_make_params<F>(scales[idx], has_zeros(F) ? zeros[idx] : half(0.0h));
-}
-
-// Sets this lane's two elements of an 8x8 fragment (element-wise, the form
-// Apple's compiler is known to accept for thread_elements()).
-inline void marlin_set_elements(thread simdgroup_matrix<float, 8, 8>& m, float2 v) {
-  m.thread_elements()[0] = v.x;
-  m.thread_elements()[1] = v.y;
-}
-
-// Function constants shared by the GEMV/GEMM kernels (set by the dispatch
-// plan, csrc/core/metal_plan.cpp).
-constant bool marlin_has_bias [[function_constant(0)]];     // add bias[n] before rounding
-constant bool marlin_write_partial [[function_constant(1)]];  // K-split: store fp32 partials

@@ -30,9 +30,13 @@ uint32_t u32(int64_t v, const char* what) {
 void check_launch(const Launch& l) {
   TORCH_INTERNAL_ASSERT(l.threadgroup_memory % 16 == 0 && l.threadgroup_memory <= kMaxThreadgroupMemory,
                         l.kernel, ": threadgroup memory ", l.threadgroup_memory);
-  TORCH_INTERNAL_ASSERT(l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2] <= 1024, l.kernel);
+  const int64_t threads = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];
+  TORCH_INTERNAL_ASSERT(threads <= 1024, l.kernel);
   TORCH_INTERNAL_ASSERT(l.min_threads_x == 0 || (l.min_threads_x % kSimdWidth == 0 && l.min_threads_x <= l.threadgroup[0]),
                         l.kernel, ": min_threads_x ", l.min_threads_x);
+  // At most kThreadgroupMemoryBudget per 128 threads: two threadgroups fit a core.
+  TORCH_INTERNAL_ASSERT(l.threadgroup_memory * 128 <= kThreadgroupMemoryBudget * threads, l.kernel,
+                        ": threadgroup memory ", l.threadgroup_memory, " for ", threads, " threads");
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
 }
 
@@ -45,14 +49,19 @@ std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, in
   return o.str();
 }
 
-int64_t choose_splits(int64_t tiles, int64_t k) {
-  constexpr int64_t kSplitTargetThreadgroups = 128;  // K-split when fewer output tiles
-  constexpr int64_t kSplitMinK = 512;                // at least this much K per split
-  constexpr int64_t kSplitMax = 16;
-  if (tiles >= kSplitTargetThreadgroups) return 1;
-  const int64_t want = ceil_div(kSplitTargetThreadgroups, tiles);
-  return std::max<int64_t>(1, std::min({want, k / kSplitMinK, kSplitMax}));
+std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
+                                     int64_t unit_rows) {
+  int64_t splits = 1;
+  if (tiles < target) splits = std::max<int64_t>(1, std::min({ceil_div(target, tiles), kr / min_rows, kSplitMax}));
+  const int64_t rows = ceil_div(ceil_div(kr, splits), unit_rows) * unit_rows;
+  return {ceil_div(kr, rows), rows};
 }
+
+uint32_t group_rows_constant(int64_t group_size) {
+  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
+}
+
+bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
 
 std::array<int64_t, 3> fit_threadgroup(const Launch& l, int64_t max_threads) {
   const int64_t planned = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];
@@ -148,8 +157,14 @@ std::string to_json(const Plan& p) {
       << l.threadgroup[0] << "," << l.threadgroup[1] << "," << l.threadgroup[2]
       << "],\"threadgroup_memory\":" << l.threadgroup_memory << ",\"min_threads_x\":" << l.min_threads_x
       << ",\"constants\":{";
-    for (size_t c = 0; c < l.bool_constants.size(); ++c)
-      o << (c ? "," : "") << "\"" << l.bool_constants[c].first << "\":" << (l.bool_constants[c].second ? "true" : "false");
+    for (size_t c = 0; c < l.constants.size(); ++c) {
+      const Constant& k = l.constants[c];
+      o << (c ? "," : "") << "\"" << k.index << "\":";
+      if (k.is_bool)
+        o << (k.value ? "true" : "false");
+      else
+        o << k.value;
+    }
     o << "},\"bindings\":[";
     for (size_t b = 0; b < l.bindings.size(); ++b) {
       const Binding& bd = l.bindings[b];

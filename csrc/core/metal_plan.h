@@ -47,10 +47,17 @@ struct Buffer {
   at::ScalarType dtype;
 };
 
+// A function constant's value (MARLIN_FOR_EACH_FUNCTION_CONSTANT): bool or uint.
+struct Constant {
+  int index;
+  bool is_bool;
+  uint32_t value;
+};
+
 struct Launch {
   std::string source;  // metal/<source>.metal
   std::string kernel;  // [[host_name]]
-  std::vector<std::pair<int, bool>> bool_constants;  // function_constant index -> value
+  std::vector<Constant> constants;  // every function constant the kernel reads
   std::array<int64_t, 3> grid{1, 1, 1};              // threadgroups per grid
   std::array<int64_t, 3> threadgroup{1, 1, 1};       // threads per threadgroup
   int64_t threadgroup_memory = 0;  // bytes for [[threadgroup(0)]] (multiple of 16)
@@ -59,6 +66,9 @@ struct Launch {
   // upper bound). 0: it needs exactly `threadgroup`. See fit_threadgroup.
   int64_t min_threads_x = 0;
   std::vector<Binding> bindings;
+
+  void set(FunctionConstant c, bool value) { constants.push_back({c, true, value ? 1u : 0u}); }
+  void set(FunctionConstant c, uint32_t value) { constants.push_back({c, false, value}); }
 };
 
 struct Plan {
@@ -81,9 +91,22 @@ inline Binding scalar(int index, int64_t value, const char* what) {
   return {index, Source::kScalar, 0, u32(value, what)};
 }
 
-// The GEMMs' K split (stripe-partitioned K-parallel, docs/KERNELS.md): how many
-// slices of K, so that `tiles` output tiles still fill the GPU.
-int64_t choose_splits(int64_t tiles, int64_t k);
+// K split (stripe-partitioned K-parallel, summed by marlin_reduce, docs/KERNELS.md):
+// the number of K slices of whole `unit_rows` rows (of `kr`), at least `min_rows`
+// each and at most kSplitMax, so that `tiles` output tiles make about `target`
+// threadgroups. Returns {splits, rows per slice}.
+inline constexpr int64_t kSplitTargetThreadgroups = 128;  // GEMMs: K-split when fewer output tiles
+inline constexpr int64_t kSplitMinK = 512;                // GEMMs: at least this much K per slice
+inline constexpr int64_t kSplitMax = 16;
+std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
+                                     int64_t unit_rows);
+
+// The marlin_group_rows function constant: packed rows (8 K) per group, 0 for one group over all of K.
+uint32_t group_rows_constant(int64_t group_size);
+
+// Whether a tensor's data starts on a 16-byte boundary (Metal: a bound buffer's
+// offset must suit the vector loads a kernel makes; PyTorch tensors may start anywhere).
+bool aligned16(const at::Tensor& t);
 
 // Plan::details of a GEMM or dequantize plan (the problem, for tests and benchmarks).
 std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,

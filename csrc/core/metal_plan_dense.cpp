@@ -1,10 +1,9 @@
 // Metal dispatch of the dense layout (gemm, dequantize): which of
-// metal/{gemv,gemm_fused,gemm_tiled,dequant}.metal to launch, how. Argument
+// metal/{gemv,gemm_fused,gemm_tiled,reduce,dequant}.metal to launch, how. Argument
 // checks are the CPU op's (core/checks.h), so every backend fails alike.
 #include <torch/library.h>
 
 #include <algorithm>
-#include <sstream>
 
 #include "core/checks.h"
 #include "core/metal_plan.h"
@@ -13,19 +12,37 @@ namespace marlin {
 namespace metal {
 namespace {
 
+// K split (k_slices in core/metal_plan.h) when the output tiles alone would
+// leave most of a large GPU idle. GEMV: split when N / kGemvColumns is below 2 x 64 threadgroups (about twice
+// the GPU cores of an M1 Ultra; M2/M3 Ultra have 76/80), each slice at least one
+// block per planned simdgroup. N = 4096 is not split: the dependent reduce
+// dispatch would cost more than the imbalance it removes (to be tuned on
+// hardware with benchmarks/bench_mps.py).
+constexpr int64_t kGemvMinThreadgroups = 128;
+constexpr int64_t kGemvMinSplitRows = int64_t(kGemvSimdgroups) * kGemvBlockRows;
+
 // Argument numbers in the schemas (csrc/registration.cpp).
 enum GemmArg { kGemmX = 0, kGemmPacked, kGemmScales, kGemmZeros, kGemmBias };
 enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };
 
-// Fused dequant-in-registers GEMM (metal/gemm_fused.metal): M-tile rows.
+// Fused dequant-in-registers GEMM (metal/marlin_gemm_fused.h): M-tile rows.
 int64_t fused_tile_m(int64_t m) { return m <= 32 ? 32 : 64; }
+
+// marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
+// be read as 16-byte vectors. Metal requires a bound buffer's offset to be
+// aligned to what the kernel reads; PyTorch tensors may start anywhere.
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n) {
+  return n % 4 == 0 && aligned16(x) && aligned16(packed) && aligned16(scales) &&
+         (!zeros.has_value() || aligned16(*zeros));
+}
 
 Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
                c10::string_view weight_format, int64_t group_size) {
   const QuantizedShape s = check_quantized(packed, scales, zeros, std::string(weight_format), group_size);
   check_gemm_inputs(x, bias, packed, s);
-  const int64_t m = x.numel() / s.k, n = s.n, k = s.k;
+  const int64_t m = x.numel() / s.k, n = s.n, k = s.k, kr = s.k / kPackFactor;
   const at::ScalarType dtype = x.scalar_type();
   const bool has_bias = bias.has_value();
   Plan p;
@@ -39,57 +56,48 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   u32(m, "M");
   const std::string suffix = std::string(weight_format_name(s.format)) + "_" + dtype_name(dtype);
 
-  if (m <= kGemvMaxRows) {
-    const int64_t mr = m == 1 ? 1 : (m <= 4 ? 4 : 8);
-    Launch l;
-    l.source = "gemv";
-    l.kernel = "marlin_gemv_" + suffix + "_m" + std::to_string(mr);
-    l.bool_constants = {{0, has_bias}, {1, false}};
-    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
-    // The GEMV splits K over however many simdgroups it gets (down to one).
-    l.min_threads_x = kSimdWidth;
-    l.grid = {ceil_div(n, kGemvColumns), 1, 1};
-    l.threadgroup_memory = kGemvSimdgroups * mr * kGemvColumns * 4;
-    l.bindings = {arg(0, kGemmX),      arg(1, kGemmPacked), arg(2, kGemmScales),
-                  arg(3, kGemmZeros),  arg(4, kGemmBias),   output(5),
-                  scalar(6, m, "M"),   scalar(7, n, "N"),   scalar(8, k, "K"),
-                  scalar(9, s.group_rows, "group rows")};
-    check_launch(l);
-    p.launches.push_back(std::move(l));
-    return p;
-  }
-
-  // M <= kFusedMaxRows: fused dequant-in-registers GEMM (TM x 64 tiles); larger
-  // M: the tiled double-buffered GEMM (64 x 64 tiles, B dequantized once per
+  // M <= kGemvMaxRows: the decode GEMV (32 columns per threadgroup, all rows of
+  // x at once). M <= kFusedMaxRows: fused dequant-in-registers GEMM (TM x 64
+  // tiles); larger M: the tiled GEMM (64 x 64 tiles, B dequantized once per
   // stage into threadgroup memory and shared by all four simdgroups).
-  const bool tiled = m > kFusedMaxRows;
-  const int64_t tm = tiled ? kTiledTileM : fused_tile_m(m);
-  const int64_t tiles = ceil_div(n, kGemmTileN) * ceil_div(m, tm);
-  int64_t splits = choose_splits(tiles, k);
-  // Packed rows per split: whole pipeline stages (kGemmTileK / 8 rows each).
-  const int64_t stage_rows = kGemmTileK / kPackFactor;
-  const int64_t split_rows = ceil_div(ceil_div(k / kPackFactor, splits), stage_rows) * stage_rows;
-  splits = ceil_div(k / kPackFactor, split_rows);
+  const bool gemv = m <= kGemvMaxRows, tiled = m > kFusedMaxRows;
+  const int64_t tm = gemv ? m : tiled ? kTiledTileM : fused_tile_m(m);
+  const int64_t tile_n = gemv ? kGemvColumns : kGemmTileN;
+  const int64_t tiles = ceil_div(n, tile_n) * ceil_div(m, tm);
+  const auto [splits, split_rows] =
+      gemv ? k_slices(tiles, kr, kGemvMinThreadgroups, kGemvMinSplitRows, kGemvBlockRows)
+           : k_slices(tiles, kr, kSplitTargetThreadgroups, kSplitMinK / kPackFactor, kGemmTileK / kPackFactor);
 
   Launch l;
-  if (tiled) {
+  if (gemv) {
+    l.source = "gemv";
+    l.kernel = "marlin_gemv_" + suffix;
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    // The GEMV splits its K slice over however many simdgroups it gets (down to one).
+    l.min_threads_x = kSimdWidth;
+    l.grid = {ceil_div(n, kGemvColumns), splits, 1};
+    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(m));
+  } else if (tiled) {
     l.source = "gemm_tiled";
     l.kernel = "marlin_gemm_tiled_" + suffix;
-    // double-buffered x tile [64][32] (T) + dequantized B tile [32][64] (fp32)
-    l.threadgroup_memory = 2 * (kTiledTileM * kGemmTileK * dtype_size(dtype) + kGemmTileK * kGemmTileN * 4);
+    l.threadgroup = {kGemmThreads, 1, 1};
+    l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+    l.threadgroup_memory = tiled_threadgroup_memory(static_cast<int>(dtype_size(dtype)));
   } else {
     l.source = "gemm_fused";
     l.kernel = "marlin_gemm_fused_" + suffix + "_tm" + std::to_string(tm);
-    l.threadgroup_memory = 2 * tm * kGemmTileK * dtype_size(dtype);  // double-buffered x tile
+    l.threadgroup = {kGemmThreads, 1, 1};
+    l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+    l.threadgroup_memory = fused_threadgroup_memory(static_cast<int>(tm), static_cast<int>(dtype_size(dtype)));
   }
-  l.bool_constants = {{0, has_bias && splits == 1}, {1, splits > 1}};
-  l.threadgroup = {kGemmThreads, 1, 1};
-  l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
-  l.bindings = {arg(0, kGemmX),     arg(1, kGemmPacked), arg(2, kGemmScales),
-                arg(3, kGemmZeros), arg(4, kGemmBias),   output(5),
-                workspace(6),       scalar(7, m, "M"),   scalar(8, n, "N"),
-                scalar(9, k, "K"),  scalar(10, s.group_rows, "group rows"),
-                scalar(11, split_rows, "split rows")};
+  l.set(kFcHasBias, has_bias && splits == 1);
+  l.set(kFcWritePartial, splits > 1);
+  l.set(kFcAligned, vector_loads(x, packed, scales, zeros, n));
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  if (gemv) l.set(kFcRows, static_cast<uint32_t>(m));
+  l.bindings = {arg(0, kGemmX),     arg(1, kGemmPacked), arg(2, kGemmScales), arg(3, kGemmZeros),
+                arg(4, kGemmBias),  output(5),           workspace(6),        scalar(7, m, "M"),
+                scalar(8, n, "N"),  scalar(9, k, "K"),   scalar(10, split_rows, "split rows")};
   check_launch(l);
   p.launches.push_back(std::move(l));
 
@@ -101,11 +109,12 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   if (splits > 1) {
     u32(partial_floats, "workspace size");
     Launch r;
-    r.source = "gemm_fused";
+    r.source = "reduce";
     r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
-    r.bool_constants = {{0, has_bias}};
-    r.threadgroup = {256, 1, 1};
-    r.grid = {ceil_div(m * n, 256), 1, 1};
+    r.set(kFcHasBias, has_bias);
+    r.threadgroup = {kReduceOutputs, 1, 1};
+    r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
+    r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
     r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
                   scalar(5, splits, "splits")};
     check_launch(r);
@@ -130,8 +139,9 @@ Plan plan_dequantize(const at::Tensor& packed, const at::Tensor& scales, const c
   l.kernel = std::string("marlin_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);
   l.threadgroup = {kDequantColumns, kDequantRows, 1};
   l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(s.k / kPackFactor, kDequantRows), 1};
+  l.set(kFcGroupRows, group_rows_constant(group_size));
   l.bindings = {arg(0, kDequantPacked), arg(1, kDequantScales), arg(2, kDequantZeros), output(3),
-                scalar(4, s.n, "N"), scalar(5, s.k / kPackFactor, "K/8"), scalar(6, s.group_rows, "group rows")};
+                scalar(4, s.n, "N"), scalar(5, s.k / kPackFactor, "K/8")};
   check_launch(l);
   p.launches.push_back(std::move(l));
   return p;

@@ -84,17 +84,20 @@ class PipelineCache {
 
   id<MTLComputePipelineState> pipeline(id<MTLDevice> device, const metal::Launch& launch) {
     std::string key = launch.kernel;
-    for (const auto& c : launch.bool_constants)
-      key += "|" + std::to_string(c.first) + "=" + (c.second ? "1" : "0");
+    for (const metal::Constant& c : launch.constants) key += "|" + std::to_string(c.index) + "=" + std::to_string(c.value);
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = pipelines_.find(key);
     if (it != pipelines_.end()) return it->second;
 
     id<MTLLibrary> library = library_for(device, launch.source);
     MTLFunctionConstantValues* constants = [MTLFunctionConstantValues new];
-    for (const auto& c : launch.bool_constants) {
-      bool value = c.second;
-      [constants setConstantValue:&value type:MTLDataTypeBool atIndex:(NSUInteger)c.first];
+    for (const metal::Constant& c : launch.constants) {
+      const bool flag = c.value != 0;
+      const uint32_t value = c.value;
+      if (c.is_bool)
+        [constants setConstantValue:&flag type:MTLDataTypeBool atIndex:(NSUInteger)c.index];
+      else
+        [constants setConstantValue:&value type:MTLDataTypeUInt atIndex:(NSUInteger)c.index];
     }
     NSError* error = nil;
     id<MTLFunction> function =

@@ -8,7 +8,7 @@ try:
 except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from metal_helpers import emulator_unavailable_reason  # noqa: E402
+from metal_helpers import LARGEST_ERRORS, emulator_unavailable_reason  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -25,3 +25,11 @@ def pytest_collection_modifyitems(config, items):
 
 # Test files that do not run kernels on the emulator.
 _NO_EMULATOR = {"test_metal_mps.py", "test_metal_mm_syntax.py", "test_embed_metal.py"}
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not LARGEST_ERRORS:
+        return
+    terminalreporter.write_sep("-", "largest max|metal - cpu| / max|cpu| (tests/metal)")
+    for (family, dtype), err in sorted(LARGEST_ERRORS.items()):
+        terminalreporter.write_line(f"{family:12} {dtype:9} {err:.2e}")

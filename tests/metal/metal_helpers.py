@@ -47,3 +47,15 @@ def make_weight(fmt, k, n, group_size, codes=None, gen=None):
 def rel_err(out, ref):
     out, ref = out.double(), ref.double()
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# Largest rel_err seen per (kernel family, dtype) in this session, printed at
+# the end of the run (conftest.py): the figures docs/KERNELS.md quotes.
+LARGEST_ERRORS = {}
+
+
+def record_error(kernel, dtype, err):
+    parts = kernel.split("_")  # marlin_gemv_fp4_f16, marlin_gemm_fused_fp4_f16_tm32, ...
+    family = "_".join(parts[1:3]) if parts[1] == "gemm" else parts[1]
+    key = (family, str(dtype).split(".")[-1])
+    LARGEST_ERRORS[key] = max(LARGEST_ERRORS.get(key, 0.0), err)

@@ -36,10 +36,11 @@ def test_plans_say_which_kernels_may_shrink():
     (gemv,) = _launches(1)
     assert gemv["threadgroup"] == [256, 1, 1] and gemv["min_threads_x"] == 32
     (fused,) = _launches(16)
-    tiled = _launches(130, n=64, k=8192)
+    tiled, reduce = _launches(130, n=64, k=8192)
     (dequant,) = _launches(0, op="dequantize")
-    for launch in (fused, *tiled, dequant):  # 128-thread GEMMs, the K-split reduce, dequantize
+    for launch in (fused, tiled, dequant):  # 128-thread GEMMs, dequantize
         assert launch["min_threads_x"] == 0, launch["kernel"]
+    assert reduce["threadgroup"] == [256, 1, 1] and reduce["min_threads_x"] == 32  # loops over its outputs
 
 
 def test_fit_threadgroup():

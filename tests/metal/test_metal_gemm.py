@@ -9,9 +9,12 @@ import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
+from torch_marlin.formats import pack_codes
+from torch_marlin.testing import run_metal
 from torch_marlin.testing.metal import run_metal_with_stats
 
-from metal_helpers import DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err
+from metal_helpers import (DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, record_error,
+                           rel_err)
 
 M_VALUES = (1, 3, 8, 16, 33, 64, 130)
 N_TAIL = 83  # not a multiple of 4, 32 or 64
@@ -31,12 +34,19 @@ def _check(fmt, dtype, m, n, k, group_size, seed_base, bias=True, x_shape=None, 
         out, plan, stats = run_metal_with_stats("gemm", x, packed, scales, zeros, b, fmt, group_size,
                                                 seed=seed)
         assert out.shape == ref.shape and out.dtype == ref.dtype
-        assert plan["launches"][0]["kernel"].startswith(_expected_family(plan["M"]))
+        first = plan["launches"][0]
+        assert first["kernel"].startswith(_expected_family(plan["M"]))
+        # the kernels' specializations: group size, vector loads, and the GEMV's exact row count
+        assert first["constants"]["3"] == (0 if group_size == -1 else group_size // 8)
+        assert first["constants"]["2"] == (n % 4 == 0)
+        if plan["M"] <= 8:
+            assert first["constants"]["4"] == plan["M"]
         if splits is not None:
             assert (plan["splits"] > 1) == splits, plan
         for launch, st in zip(plan["launches"], stats):
             assert st.threadgroup_memory == launch["threadgroup_memory"] <= 32768
         err = rel_err(out, ref)
+        record_error(first["kernel"], dtype, err)
         assert err <= GEMM_TOL[dtype], (fmt, dtype, m, n, k, group_size, seed, err, plan["launches"][0]["kernel"])
     return plan
 
@@ -54,16 +64,44 @@ def test_gemm_every_group_size(fmt, dtype, m):
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gemm_k_parallel(fmt, dtype, m):
-    # Few output tiles (N = 40), large K: the GEMMs split K into 4 slices
-    # (M > 8). K = 2056 (group_size -1) is 257 packed rows: slices of 68 rows,
-    # the last one ending in a partial 32-deep stage.
+    # Few output tiles (N = 40), large K: every kernel splits K (the GEMMs in
+    # 4 slices of whole 16-deep stages, the GEMV in 2 slices of whole 16-row
+    # blocks). K = 2056 (group_size -1) is 257 packed rows: the last slice ends
+    # in a partial stage / block. N = 40 takes the vector loads.
     for i, group_size in enumerate(GROUP_SIZES):
         k = 2056 if group_size == -1 else 2048
-        plan = _check(fmt, dtype, m, 40, k, group_size, seed_base=7 * m + i, bias=(i % 2 == 1),
-                      splits=m > 8)
-        if m > 8:
-            assert plan["splits"] == 4
-            assert plan["launches"][-1]["kernel"] == f"marlin_reduce_{plan['dtype']}"
+        plan = _check(fmt, dtype, m, 40, k, group_size, seed_base=7 * m + i, bias=(i % 2 == 1), splits=True)
+        assert plan["splits"] == (2 if m <= 8 else 4)
+        assert plan["launches"][-1]["kernel"] == f"marlin_reduce_{plan['dtype']}"
+
+
+@pytest.mark.parametrize("m", range(2, 9))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_every_row_count(fmt, m):
+    # The GEMV is specialized for the exact M (no M = 2 running 4 rows): every
+    # M of the GEMV, every group size, N with a tail (scalar loads) and without.
+    dtype = DTYPES[(m + FORMATS.index(fmt)) % len(DTYPES)]
+    for i, group_size in enumerate(GROUP_SIZES):
+        for n in (N_TAIL, 64):
+            _check(fmt, dtype, m, n, K_FOR_GROUP[group_size], group_size, seed_base=31 * m + i + n,
+                   bias=(i % 2 == 0))
+
+
+def test_gemv_with_fewer_simdgroups_k_split_and_tails():
+    # The GEMV on a pipeline allowing fewer threads (the bridge's rule,
+    # max_threads_per_threadgroup; test_metal_bridge_rules.py covers the rule
+    # itself) also with a K split, one group over K, and scalar loads (N = 83).
+    for threads, (fmt, dtype, m, n, k, gs) in zip((32, 64, 96, 160), (
+            ("fp4", torch.float16, 1, 83, 384, 32), ("uint4", torch.float32, 5, 64, 2048, -1),
+            ("int4", torch.bfloat16, 8, 40, 2048, 16), ("uint4", torch.float16, 2, 83, 2056, -1))):
+        gen = torch.Generator().manual_seed(threads)
+        packed, scales, zeros = make_weight(fmt, k, n, gs, gen=gen)
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        ref = torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, gs)
+        out, plan, stats = run_metal_with_stats("gemm", x, packed, scales, zeros, None, fmt, gs,
+                                                max_threads_per_threadgroup=threads)
+        assert stats[0].threads_per_threadgroup == threads and (plan["splits"] > 1) == (k >= 2048)
+        assert rel_err(out, ref) <= GEMM_TOL[dtype]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -102,3 +140,37 @@ def test_every_code_through_gemm(fmt, m):
         out, plan, _ = run_metal_with_stats("gemm", x, packed, scales, zeros, None, fmt, 16, seed=seed)
         assert plan["launches"][0]["kernel"].startswith(_expected_family(m))
         assert torch.equal(out, ref) and torch.equal(out, dense[torch.arange(m) % k])
+
+
+@pytest.mark.parametrize("group_size", (16, 128, -1))
+@pytest.mark.parametrize("m", (1, 4, 16, 100))  # gemv, gemv, fused, tiled
+def test_uint4_zero_point_error_is_bounded(m, group_size):
+    # uint4 applies the zero point once per group: scale * (sum q x - zero * sum x)
+    # (the GEMV) instead of sum (q - zero) * scale * x. Worst case for that: x >= 0
+    # and zeros at the codes' mean, so the two sums nearly cancel. Against the
+    # exact float64 result the error stays within the classic fp32 summation bound
+    # (K + 64) * 2^-24 * scale * sum (|q| + |zero|) |x|, plus half an ulp of the
+    # output dtype, and is never worse than the CPU op's own (2x margin + 1 ulp).
+    gen = torch.Generator().manual_seed(m * 7 + group_size)
+    k, n = 4096, 64
+    groups = 1 if group_size == -1 else k // group_size
+    codes = torch.randint(0, 16, (k, n), generator=gen)
+    packed = pack_codes(codes)
+    scales = (torch.rand(groups, n, generator=gen) * 0.5 + 0.01).half()
+    zeros = (7.5 + torch.rand(groups, n, generator=gen) * 0.25).half()
+
+    def per_row(t):
+        return t.double().repeat_interleave(k // groups, 0)
+
+    w = (codes.double() - per_row(zeros)) * per_row(scales)
+    terms = (codes.double() + per_row(zeros)) * per_row(scales)
+    for dtype in DTYPES:
+        x = torch.randn(m, k, generator=gen).abs().to(dtype)
+        exact = x.double() @ w
+        out = run_metal("gemm", x, packed, scales, zeros, None, "uint4", group_size).double()
+        cpu = torch.ops.marlin.gemm(x, packed, scales, zeros, None, "uint4", group_size).double()
+        half_ulp = torch.finfo(dtype).eps / 2 * exact.abs()
+        bound = (k + 64) * 2.0 ** -24 * (x.double() @ terms) + half_ulp
+        assert ((out - exact).abs() <= bound).all()
+        ulp = torch.finfo(dtype).eps * exact.abs().max()
+        assert (out - exact).abs().max() <= 2 * (cpu - exact).abs().max() + ulp

@@ -40,7 +40,22 @@ def test_gemm_on_device(fmt, dtype, m):
         assert rel_err(out.cpu(), ref) <= GEMM_TOL[dtype]
 
 
-@pytest.mark.parametrize("m", (16, 130))
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gemv_every_row_count_on_device(fmt, m):
+    # the GEMV's row-count and group-size specializations, with (N = 64) and without (N = 83) vector loads
+    for i, group_size in enumerate(GROUP_SIZES):
+        for n in (83, 64):
+            gen = torch.Generator().manual_seed(31 * m + i + n)
+            k = K_FOR_GROUP[group_size]
+            packed, scales, zeros = make_weight(fmt, k, n, group_size, gen=gen)
+            x = torch.randn(m, k, generator=gen).half()
+            ref = torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, group_size)
+            out = torch.ops.marlin.gemm(_to(x), _to(packed), _to(scales), _to(zeros), None, fmt, group_size)
+            assert rel_err(out.cpu(), ref) <= GEMM_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m", (1, 5, 16, 130))
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_k_parallel_on_device(fmt, m):
     packed, scales, zeros = make_weight(fmt, 4096, 40, 128)

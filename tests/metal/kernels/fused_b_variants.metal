@@ -3,7 +3,7 @@
 // counters so tests/metal/test_metal_fused_variants.py can compare them in
 // the emulator's terms.
 //   STAGING = false: dequantize straight into the fragment (thread_elements),
-//                    what metal/gemm_fused.metal does.
+//                    what metal/marlin_gemm_fused.h does.
 //   STAGING = true:  the staging alternative: lanes 0-7 of each simdgroup dequantize
 //                    an 8x8 B tile into a per-simdgroup threadgroup staging
 //                    buffer, simdgroup_barrier, simdgroup_load, per (m, n)
@@ -16,7 +16,7 @@
 #include <metal_simdgroup>
 #include <metal_stdlib>
 
-#include "marlin_dequant.h"
+#include "marlin_tile.h"
 
 using namespace metal;
 
@@ -36,8 +36,8 @@ template <bool STAGING>
                                 uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float xs[32 * 32];
   threadgroup float stage[STAGING ? 4 * 64 : 1];
-  const uint fr = (lane / 4 & 4) + (lane / 2) % 4;
-  const uint fc = (lane / 4 & 2) * 2 + (lane % 2) * 2;
+  const MarlinLane l = marlin_lane(lane);
+  const uint fr = l.row, fc = l.col;
   const uint m0 = tgid.y * 32, nb = tgid.x * 64 + sg * 16;
 
   simdgroup_matrix<float, 8, 8> acc[4][2];  // [m fragment][n fragment], C = x B
@@ -58,17 +58,18 @@ template <bool STAGING>
         for (int j = 0; j < 2; ++j) {
           const uint n = nb + 8 * j + fr;
           uint w = 0;
-          MarlinDequantParams p = {0.0f, 0.0f, 0.0f};
+          MarlinParams p = {0.0f, 0.0f};
           if (n < N) {
             w = packed[r * N + n];
             atomic_fetch_add_explicit(&counters[0], 1u, memory_order_relaxed);
-            p = marlin_load_params<kFp4>(scales, scales, r, n, N, group_rows);
+            p = marlin_load_params<kFp4>(scales, scales, 8 * r / group_rows, n, N);
           }
-          marlin_set_elements(wt[j], marlin_dequant_pair<kFp4>(w, fc, p));
+          // fragment columns (fc, fc + 1) are K values (fc / 2, fc / 2 + 4)
+          marlin_set_elements(wt[j], marlin_dequant_pair<kFp4>(w, fc / 2, p));
         }
         for (int i = 0; i < 4; ++i) {
           simdgroup_matrix<float, 8, 8> xt;
-          const uint row = 8 * i + fc, col = 8 * kk + fr;
+          const uint row = 8 * i + fc, col = 8 * kk + marlin_fragment_k(fr);
           marlin_set_elements(xt, float2(xs[row * 32 + col], xs[(row + 1) * 32 + col]));
           // acc holds C^T here: (n, m)
           for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[i][j], wt[j], xt, acc[i][j]);
@@ -82,16 +83,16 @@ template <bool STAGING>
             if (lane < 8) {
               const uint n = nb + 8 * j + lane;
               uint w = 0;
-              MarlinDequantParams p = {0.0f, 0.0f, 0.0f};
+              MarlinParams p = {0.0f, 0.0f};
               if (n < N) {
                 w = packed[r * N + n];
                 atomic_fetch_add_explicit(&counters[0], 1u, memory_order_relaxed);
-                p = marlin_load_params<kFp4>(scales, scales, r, n, N, group_rows);
+                p = marlin_load_params<kFp4>(scales, scales, 8 * r / group_rows, n, N);
               }
-              for (uint q = 0; q < 8; q += 2) {
+              for (uint q = 0; q < 4; ++q) {
                 const float2 v = marlin_dequant_pair<kFp4>(w, q, p);
                 st[q * 8 + lane] = v.x;
-                st[(q + 1) * 8 + lane] = v.y;
+                st[(q + 4) * 8 + lane] = v.y;
               }
             }
             simdgroup_barrier(mem_flags::mem_threadgroup);
