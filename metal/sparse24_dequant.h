@@ -18,7 +18,6 @@ template <typename T, WeightFormat F>
                                         device T* out [[buffer(4)]],
                                         constant uint& N [[buffer(5)]],
                                         constant uint& VR [[buffer(6)]],  // K / 16 values rows
-                                        constant uint& group_rows [[buffer(7)]],
                                         uint3 tgid [[threadgroup_position_in_grid]],
                                         uint3 tid [[thread_position_in_threadgroup]],
                                         uint3 tgsize [[threads_per_threadgroup]]) {
@@ -27,7 +26,7 @@ template <typename T, WeightFormat F>
   if (n >= N || r >= VR) return;
   const uint w = values[ulong(r) * N + n];
   const uint meta = marlin_sparse_meta(metadata[ulong(r / 2) * N + n], r);
-  const MarlinDequantParams p = marlin_load_params<F>(scales, zeros, 2 * r, n, N, group_rows);
+  const MarlinParams p = marlin_sparse_params<F>(scales, zeros, r, n, N);
   device T* dst = out + ulong(kSparseValueRows * r) * N + n;
   for (uint b = 0; b < 4; ++b) {
     const float4 d = marlin_sparse_block<F>(w, meta, b, p);

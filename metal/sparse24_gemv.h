@@ -1,6 +1,6 @@
 // 2:4 sparse decode GEMV: y[M, N] = x[M, K] @ B[K, N] (+ bias) for M <= MR <= 8,
 // B in the 2:4 layout (metal/sparse24_decode.h). The dense GEMV's structure
-// (metal/gemv.metal) on values rows of 16 K instead of packed rows of 8:
+// (metal/marlin_gemv.h) on values rows of 16 K instead of packed rows of 8:
 // a threadgroup owns 32 output columns and all of K; lane = 8 * kl + cl reads
 // 4 consecutive values words (4 columns) of values row 4 * sg + kl + 32 i and
 // the matching 4 metadata words (the odd row's lane reads the same words as
@@ -30,7 +30,6 @@ template <typename T, WeightFormat F, int MR>
                                      constant uint& M [[buffer(7)]],
                                      constant uint& N [[buffer(8)]],
                                      constant uint& K [[buffer(9)]],
-                                     constant uint& group_rows [[buffer(10)]],
                                      threadgroup float* partial [[threadgroup(0)]],
                                      uint3 tgid [[threadgroup_position_in_grid]],
                                      uint tid [[thread_index_in_threadgroup]],
@@ -48,14 +47,13 @@ template <typename T, WeightFormat F, int MR>
 
   for (uint r = 4 * sg + kl; r < VR; r += 4 * nsg) {
     uint w[4], meta[4];
-    MarlinDequantParams p[4];
+    MarlinParams p[4];
     for (uint c = 0; c < 4; ++c) {
       const bool ok = full || n0 + c < N;
       w[c] = ok ? values[ulong(r) * N + n0 + c] : 0u;
       meta[c] = ok ? marlin_sparse_meta(metadata[ulong(r / 2) * N + n0 + c], r) : 0x4444u;  // tail: (0,1), weight 0
       // a values row lies in one group (group sizes are multiples of 16): the params of its first 8 K
-      p[c] = ok ? marlin_load_params<F>(scales, zeros, 2 * r, n0 + c, N, group_rows)
-                : MarlinDequantParams{0.0f, 0.0f, 0.0f};
+      p[c] = ok ? marlin_sparse_params<F>(scales, zeros, r, n0 + c, N) : MarlinParams{0.0f, 0.0f};
     }
     for (uint b = 0; b < 4; ++b) {
       float4 xv[MR];

@@ -55,7 +55,7 @@ def pack_sparse_one_by_one(codes, keep):
             kept = [p for p in range(4) if keep[4 * block + p][col]]
             assert len(kept) == 2
             for slot, p in enumerate(kept):
-                nibble = 2 * (block % 4) + slot  # kept weight `slot` of block b: nibble 2 * (b % 4) + slot
+                nibble = block % 4 + 4 * slot  # kept weight `slot` of block b: nibble b % 4 + 4 * slot
                 values[block // 4][col] |= codes[4 * block + p][col] << (4 * nibble)
             metadata[block // 8][col] |= (kept[0] | kept[1] << 2) << (4 * (block % 8))
     signed = lambda rows: [[w - (1 << 32) if w >= 1 << 31 else w for w in r] for r in rows]
@@ -73,7 +73,7 @@ def dequantize_sparse_one_by_one(values, metadata, scales, zeros, weight_format,
             nibble = ((metadata[block // 8][col] & 0xFFFFFFFF) >> (4 * (block % 8))) & 0xF
             for slot, p in enumerate((nibble & 3, nibble >> 2)):
                 row = 4 * block + p
-                code = ((values[block // 4][col] & 0xFFFFFFFF) >> (4 * (2 * (block % 4) + slot))) & 0xF
+                code = ((values[block // 4][col] & 0xFFFFFFFF) >> (4 * (block % 4 + 4 * slot))) & 0xF
                 s = scales[row // rows][col]
                 if weight_format == "fp4":
                     out[row][col] = e2m1_value(code) * s

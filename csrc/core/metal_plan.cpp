@@ -57,6 +57,21 @@ std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, 
   return {ceil_div(kr, rows), rows};
 }
 
+Launch reduce_launch(int64_t m, int64_t n, int64_t splits, at::ScalarType dtype, bool has_bias, int bias_arg) {
+  u32(splits * m * n, "workspace size");
+  Launch r;
+  r.source = "reduce";
+  r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
+  r.set(kFcHasBias, has_bias);
+  r.threadgroup = {kReduceOutputs, 1, 1};
+  r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
+  r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
+  r.bindings = {workspace(0), arg(1, bias_arg), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
+                scalar(5, splits, "splits")};
+  check_launch(r);
+  return r;
+}
+
 uint32_t group_rows_constant(int64_t group_size) {
   return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
 }

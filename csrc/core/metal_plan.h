@@ -101,6 +101,11 @@ inline constexpr int64_t kSplitMax = 16;
 std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
                                      int64_t unit_rows);
 
+// The K split's second launch: marlin_reduce (metal/marlin_reduce.h) sums the
+// fp32 partials [splits, m, n] (workspace 0) into the output, adding the bias
+// (the op's argument `bias_arg`).
+Launch reduce_launch(int64_t m, int64_t n, int64_t splits, at::ScalarType dtype, bool has_bias, int bias_arg);
+
 // The marlin_group_rows function constant: packed rows (8 K) per group, 0 for one group over all of K.
 uint32_t group_rows_constant(int64_t group_size);
 

@@ -106,20 +106,7 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
   p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
   p.details = gemm_details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
-  if (splits > 1) {
-    u32(partial_floats, "workspace size");
-    Launch r;
-    r.source = "reduce";
-    r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
-    r.set(kFcHasBias, has_bias);
-    r.threadgroup = {kReduceOutputs, 1, 1};
-    r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
-    r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
-    r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
-                  scalar(5, splits, "splits")};
-    check_launch(r);
-    p.launches.push_back(std::move(r));
-  }
+  if (splits > 1) p.launches.push_back(reduce_launch(m, n, splits, dtype, has_bias, kGemmBias));
   return p;
 }
 

@@ -1,7 +1,7 @@
 // Metal dispatch of the 2:4 sparse layout (sparse24_gemm, sparse24_dequantize):
 // which of metal/sparse24_{gemv,gemm,dequant}.metal to launch, how. Argument
 // checks are the CPU op's (core/sparse24_checks.h). The K split and its
-// reduction (marlin_reduce of metal/gemm_fused.metal) are the dense GEMMs'.
+// reduction (marlin_reduce, metal/marlin_reduce.h) are the dense GEMMs'.
 #include <torch/library.h>
 
 #include <algorithm>
@@ -40,14 +40,15 @@ Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at:
     Launch l;
     l.source = "sparse24_gemv";
     l.kernel = "marlin_sparse24_gemv_" + suffix + "_m" + std::to_string(mr);
-    l.bool_constants = {{0, has_bias}, {1, false}};
+    l.set(kFcHasBias, has_bias);
+    l.set(kFcGroupRows, group_rows_constant(group_size));
     l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
     l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
     l.grid = {ceil_div(n, kGemvColumns), 1, 1};
-    l.threadgroup_memory = kGemvSimdgroups * mr * kGemvColumns * 4;
+    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(mr));
     l.bindings = {arg(0, kGemmX),      arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
                   arg(4, kGemmZeros),  arg(5, kGemmBias),   output(6),             scalar(7, m, "M"),
-                  scalar(8, n, "N"),   scalar(9, k, "K"),   scalar(10, s.group_rows, "group rows")};
+                  scalar(8, n, "N"),   scalar(9, k, "K")};
     check_launch(l);
     p.launches.push_back(std::move(l));
     return p;
@@ -56,42 +57,29 @@ Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at:
   // Fragments decoded in registers for every M > 8: TM x 64 tiles (TM 32 or 64).
   const int64_t tm = m <= 32 ? 32 : 64;
   const int64_t tiles = ceil_div(n, kGemmTileN) * ceil_div(m, tm);
-  int64_t splits = choose_splits(tiles, k);
-  // Values rows per split: whole 32-deep stages (2 values rows, one metadata row).
-  const int64_t stage_rows = kGemmTileK / kSparseValueRows, value_rows = k / kSparseValueRows;
-  const int64_t split_rows = ceil_div(ceil_div(value_rows, splits), stage_rows) * stage_rows;
-  splits = ceil_div(value_rows, split_rows);
+  // K split as the dense GEMMs, in values rows: whole 32-deep stages (2 values rows, one metadata row).
+  const auto [splits, split_rows] = k_slices(tiles, k / kSparseValueRows, kSplitTargetThreadgroups,
+                                             kSplitMinK / kSparseValueRows, kSparseGemmTileK / kSparseValueRows);
 
   Launch l;
   l.source = "sparse24_gemm";
   l.kernel = "marlin_sparse24_gemm_" + suffix + "_tm" + std::to_string(tm);
-  l.threadgroup_memory = 2 * tm * kGemmTileK * dtype_size(dtype);  // double-buffered x tile
-  l.bool_constants = {{0, has_bias && splits == 1}, {1, splits > 1}};
+  l.threadgroup_memory = 2 * tm * kSparseGemmTileK * dtype_size(dtype);  // double-buffered x tile
+  l.set(kFcHasBias, has_bias && splits == 1);
+  l.set(kFcWritePartial, splits > 1);
+  l.set(kFcGroupRows, group_rows_constant(group_size));
   l.threadgroup = {kGemmThreads, 1, 1};
   l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
   l.bindings = {arg(0, kGemmX),          arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
                 arg(4, kGemmZeros),      arg(5, kGemmBias),   output(6),             workspace(7),
-                scalar(8, m, "M"),       scalar(9, n, "N"),   scalar(10, k, "K"),    scalar(11, s.group_rows, "group rows"),
-                scalar(12, split_rows, "split rows")};
+                scalar(8, m, "M"),       scalar(9, n, "N"),   scalar(10, k, "K"),    scalar(11, split_rows, "split rows")};
   check_launch(l);
   p.launches.push_back(std::move(l));
 
   const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
   p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
   p.details = gemm_details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
-  if (splits > 1) {
-    u32(partial_floats, "workspace size");
-    Launch r;
-    r.source = "gemm_fused";
-    r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
-    r.bool_constants = {{0, has_bias}};
-    r.threadgroup = {256, 1, 1};
-    r.grid = {ceil_div(m * n, 256), 1, 1};
-    r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
-                  scalar(5, splits, "splits")};
-    check_launch(r);
-    p.launches.push_back(std::move(r));
-  }
+  if (splits > 1) p.launches.push_back(reduce_launch(m, n, splits, dtype, has_bias, kGemmBias));
   return p;
 }
 
@@ -113,8 +101,9 @@ Plan plan_sparse24_dequantize(const at::Tensor& values, const at::Tensor& metada
   const int64_t value_rows = s.k / kSparseValueRows;
   l.threadgroup = {kDequantColumns, kDequantRows, 1};
   l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(value_rows, kDequantRows), 1};
+  l.set(kFcGroupRows, group_rows_constant(group_size));
   l.bindings = {arg(0, kDequantValues), arg(1, kDequantMetadata), arg(2, kDequantScales), arg(3, kDequantZeros),
-                output(4), scalar(5, s.n, "N"), scalar(6, value_rows, "K/16"), scalar(7, s.group_rows, "group rows")};
+                output(4), scalar(5, s.n, "N"), scalar(6, value_rows, "K/16")};
   check_launch(l);
   p.launches.push_back(std::move(l));
   return p;

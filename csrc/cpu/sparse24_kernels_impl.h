@@ -4,10 +4,10 @@
 // vector types, value decoders and copies of the dense kernels are reused.
 //
 // Layout recap: values word [r, n] holds the 8 kept codes of K rows
-// 16r..16r+15 (slot s = nibble s: kept weight s % 2 of block s / 2);
-// metadata word [r / 2, n] holds 8 nibbles pos0 | pos1 << 2, half r % 2 of it
-// (16 bits) the 4 blocks of values row r, so slot s's position inside its
-// block is bits 2s..2s+1 of that half.
+// 16r..16r+15: nibble j is kept weight j / 4 of block j % 4; metadata word
+// [r / 2, n] holds 8 nibbles pos0 | pos1 << 2, half r % 2 of it (16 bits) the
+// 4 blocks of values row r, so nibble j's position inside its block is bits
+// 4 (j % 4) + 2 (j / 4) .. + 1 of that half.
 //
 // GEMV: the weight is never expanded. Each slot's value is multiplied by the
 // x it belongs to, gathered per lane (column) from the block's 4 x values:
@@ -79,14 +79,13 @@ inline v8f gather(const XBlock& xb, const SlotIndex& s) {
 
 // The metadata code: how a values row finds the positions of its 8 slots.
 // The layout's code (docs/FORMAT.md) is a nibble pos0 | pos1 << 2 per block,
-// so half r % 2 of metadata word r / 2 is values row r's positions, slot s
-// at bits 2s..2s+1. (The GEMV takes the code as a template argument so that
+// so half r % 2 of metadata word r / 2 is values row r's positions. (The GEMV takes the code as a template argument so that
 // benchmarks/sparse_metadata_code.py can time a denser code in the same kernel.)
 struct NibbleMetadata {
   static constexpr int kRowsPerWord = 2;  // values rows per metadata word
   static constexpr int32_t kFill = kFillMetadata;  // a valid word for padded columns
-  // Positions of values row `part` (0..kRowsPerWord-1) of metadata word vector m;
-  // `bad` collects invalid patterns (checked once per word, with part 0).
+  // Positions of values row `part` (0..kRowsPerWord-1) of metadata word vector m,
+  // block b at bits 4b..4b+3; `bad` collects invalid patterns (checked once per word, with part 0).
   static inline v8i positions(v8i m, int part, v8u& bad) {
     if (part == 0) bad |= metadata_invalid(m);
     return (v8i)((v8u)m >> (16 * part));
@@ -138,10 +137,10 @@ inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
       for (int v = 0; v < NV; ++v) {
         b[v] = gemv_value<F>(w[v], s);
         if (F == kFormatUint4) b[v] -= zero[v];  // q - zero: a pruned weight is 0, not -zero
-        idx[v] = slot_index((v8i)((v8u)meta[v] >> (2 * s)));
+        idx[v] = slot_index((v8i)((v8u)meta[v] >> (4 * (s & 3) + 2 * (s >> 2))));
       }
       for (int i = 0; i < MR; ++i) {
-        const XBlock xb = load_block(x + i * c.ldx + 4 * (s >> 1));
+        const XBlock xb = load_block(x + i * c.ldx + 4 * (s & 3));
         for (int v = 0; v < NV; ++v) p[i][v] = fmadd(gather(xb, idx[v]), b[v], p[i][v]);
       }
     }
@@ -312,7 +311,7 @@ v8u sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t
       const v8f z = F == kFormatUint4 ? load8(zero + 8 * q) : v8f{};
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
-        v8f v0 = decode_nibble<F>(w, 2 * b), v1 = decode_nibble<F>(w, 2 * b + 1);
+        v8f v0 = decode_nibble<F>(w, b), v1 = decode_nibble<F>(w, b + 4);
         v0 = F == kFormatUint4 ? (v0 - z) * s : v0 * s;
         v1 = F == kFormatUint4 ? (v1 - z) * s : v1 * s;
         const v8i p0 = (m >> (4 * b)) & 3, p1 = (m >> (4 * b + 2)) & 3;

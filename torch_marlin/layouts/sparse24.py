@@ -2,14 +2,18 @@
 K two are kept (4-bit codes in `values`) and their positions are stored in
 `metadata`; scales (and zeros) per group exactly as in the dense layout.
 
-    values    int32 [K/16, N]  nibble j of word [r, n]: code of the (j % 2)-th kept
-                               weight of block 4r + j // 2 (K rows 16r + 4(j // 2) .. + 3)
+    values    int32 [K/16, N]  nibbles b and b + 4 of word [r, n] (b = 0..3): codes of the
+                               first and second kept weight of block 4r + b (K rows 16r + 4b .. + 3)
     metadata  int32 [K/32, N]  nibble j of word [r, n]: pos0 | pos1 << 2 of block
                                8r + j (K rows 32r + 4j .. + 3), 0 <= pos0 < pos1 <= 3
     scales    fp16  [G, N]     (and zeros for uint4), G = K / group_size as dense
 
-Both are the dense packing (formats.pack_codes) of a smaller matrix: values
-of the kept codes [K/2, N] in K order, metadata of the block nibbles [K/4, N].
+A block's kept pair is the nibble pair (b, b + 4) that one shift and mask
+moves into the two halves of a word (the Metal kernels' marlin_raw_pair).
+Both are the dense packing (formats.pack_codes) of a smaller matrix:
+metadata of the block nibbles [K/4, N], values of the kept codes [K/2, N]
+with each group of 8 reordered from K order (block 0 first, block 0 second,
+block 1 first, ...) to nibble order (VALUE_ORDER).
 docs/FORMAT.md is the spec; this module is its plain-torch reference (the
 packers here are checked against the per-element ones in tests/reference.py),
 the SparseQuantizedWeight class, and the fake kernels and autograd of the
@@ -35,6 +39,8 @@ METADATA_ROWS = 32  # K rows per metadata word (8 block nibbles)
 PATTERNS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
 VALID_NIBBLES = tuple(p0 | p1 << 2 for p0, p1 in PATTERNS)  # 4, 8, 12, 9, 13, 14
 FILL_METADATA = 0x44444444  # every block (0, 1): the metadata of an all-zero weight
+# Nibble j of a values word holds kept code VALUE_ORDER[j] of its 8 in K order (2 * block + i).
+VALUE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
 def padded_in_features(in_features: int, group_size: int) -> int:
@@ -81,7 +87,9 @@ def pack_kept(kept_codes: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.
         nibbles = pairs[:, 0] | pairs[:, 1] << 2
     else:
         nibbles = positions.new_zeros(0, positions.shape[1], dtype=torch.int64)
-    return formats.pack_codes(kept_codes), formats.pack_codes(nibbles)
+    order = torch.tensor(VALUE_ORDER, device=kept_codes.device)
+    words = kept_codes.reshape(-1, 8, kept_codes.shape[1]).index_select(1, order)
+    return formats.pack_codes(words.reshape(kept_codes.shape)), formats.pack_codes(nibbles)
 
 
 def pack_sparse(codes: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +131,10 @@ def unpack_kept(values: torch.Tensor, metadata: torch.Tensor) -> Tuple[torch.Ten
     check_metadata(metadata)
     nibbles = formats.unpack_codes(metadata)  # [K/4, N]
     positions = torch.stack([nibbles & 3, nibbles >> 2], 1).view(-1, nibbles.shape[1])
-    return formats.unpack_codes(values), positions
+    inverse = torch.argsort(torch.tensor(VALUE_ORDER, device=values.device))
+    nibble_order = formats.unpack_codes(values)
+    kept = nibble_order.view(-1, 8, values.shape[1]).index_select(1, inverse).view(nibble_order.shape)
+    return kept, positions
 
 
 def dense_mask(metadata: torch.Tensor) -> torch.Tensor:
