@@ -9,7 +9,7 @@ With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
 the dense layout of the same format on the same shapes, timed alternately in
 one process (minimum times, and the median of the per-pair ratios).
 
-    python benchmarks/bench_cpu.py [--quick] [--sparse] [--json bench_cpu.json]
+    python benchmarks/bench_cpu.py [--quick] [--sparse] [--threads T] [--json bench_cpu.json]
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ def main() -> None:
     parser.add_argument("--formats", default="fp4,int4,uint4")
     parser.add_argument("--json", default="bench_cpu.json")
     parser.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes = SHAPES[:1] if args.quick else SHAPES
     repeats = 3 if args.quick else args.repeats
     if args.sparse:
