@@ -239,10 +239,10 @@ def plan_bytes(plan, fmt):
         elif name.startswith("marlin_dequant_"):
             total += k // 8 * n * 4 + params + k * n * t
         elif name.startswith("marlin_sparse24_gemv_"):
-            # values and metadata once (the odd values row's lanes share the even one's metadata load);
-            # the 4 values rows (64 K) a simdgroup reads at once load their group's params in one
-            # transaction, so params once per group and 64 K; every threadgroup reads all of x
-            total += sparse_codes + max(groups, k // 64) * n * 2 * sz + gx * m * k * t + m * n * t
+            # values and metadata once (a lane's run of 2 values rows has one metadata word); params
+            # once per run, the 4 runs of a simdgroup step (128 K) sharing one address at g >= 128:
+            # once per group, or per 128 K for larger groups; every threadgroup reads all of x
+            total += sparse_codes + max(groups, k // 128) * n * 2 * sz + gx * m * k * t + m * n * t
         elif name.startswith("marlin_sparse24_gemm_"):
             total += gy * (sparse_codes + k // 16 * n * 2 * sz) + gx * m * k * t + out
         elif name.startswith("marlin_sparse24_dequant_"):

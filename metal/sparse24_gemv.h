@@ -2,11 +2,11 @@
 // B in the 2:4 layout (metal/sparse24_decode.h). The dense GEMV's structure
 // (metal/marlin_gemv.h) on values rows of 16 K instead of packed rows of 8:
 // a threadgroup owns 32 output columns and all of K; lane = 8 * kl + cl reads
-// 4 consecutive values words (4 columns) of values row 4 * sg + kl + 32 i and
-// the matching 4 metadata words (the odd row's lane reads the same words as
-// the even row's, in the same simdgroup load: one transaction), so every
-// values and metadata byte comes from memory once. Each block of 4 K rows is
-// decoded once per column into a float4 of dense weights (zeros at pruned
+// 4 consecutive values words (4 columns) of values rows 8 (sg + nsg i) + 2 kl
+// and the next (a run of 32 K) and the one metadata word of each column that
+// covers both, so every values and metadata byte comes from memory once and
+// a group's params once per run (once per simdgroup step at g >= 128). Each
+// block of 4 K rows is decoded once per column into a float4 of dense weights (zeros at pruned
 // positions) and dotted with the block's x for every row: the bytes are 3/4
 // of the dense GEMV's (the point for a memory-bound kernel), the multiplies
 // the same. Reduction and output as the dense GEMV.
@@ -45,29 +45,42 @@ template <typename T, WeightFormat F, int MR>
   for (int m = 0; m < MR; ++m)
     for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
 
-  for (uint r = 4 * sg + kl; r < VR; r += 4 * nsg) {
-    uint w[4], meta[4];
+  // Lane kl of simdgroup sg takes the run of values rows r0, r0 + 1 (32 K: one metadata
+  // word) of each 8-row step (128 K) of the simdgroup: a group of >= 32 K loads its params
+  // once per run, and the 4 runs of a step share one load at g >= 128 (one address).
+  const bool run_in_group = marlin_group_rows == 0 || marlin_group_rows >= 4;
+  for (uint r0 = 8 * sg + 2 * kl; r0 < VR; r0 += 8 * nsg) {  // VR is even: r0 + 1 < VR
+    uint mw[4];
     MarlinParams p[4];
     for (uint c = 0; c < 4; ++c) {
       const bool ok = full || n0 + c < N;
-      w[c] = ok ? values[ulong(r) * N + n0 + c] : 0u;
-      meta[c] = ok ? marlin_sparse_meta(metadata[ulong(r / 2) * N + n0 + c], r) : 0x4444u;  // tail: (0,1), weight 0
-      // a values row lies in one group (group sizes are multiples of 16): the params of its first 8 K
-      p[c] = ok ? marlin_sparse_params<F>(scales, zeros, r, n0 + c, N) : MarlinParams{0.0f, 0.0f};
+      mw[c] = ok ? metadata[ulong(r0 / 2) * N + n0 + c] : 0x44444444u;  // tail: (0,1), weight 0
     }
-    for (uint b = 0; b < 4; ++b) {
-      float4 xv[MR];
-      for (int m = 0; m < MR; ++m) {
-        if (uint(m) < M) {
-          const device T* xb = x + ulong(m) * K + kSparseValueRows * r + 4 * b;
-          xv[m] = float4(float(xb[0]), float(xb[1]), float(xb[2]), float(xb[3]));
-        } else {
-          xv[m] = float4(0.0f);
-        }
-      }
+    for (uint h = 0; h < 2; ++h) {
+      const uint r = r0 + h;
+      uint w[4], meta[4];
       for (uint c = 0; c < 4; ++c) {
-        const float4 wb = marlin_sparse_block<F>(w[c], meta[c], b, p[c]);
-        for (int m = 0; m < MR; ++m) acc[m][c] += dot(wb, xv[m]);
+        const bool ok = full || n0 + c < N;
+        w[c] = ok ? values[ulong(r) * N + n0 + c] : 0u;
+        meta[c] = marlin_sparse_meta(mw[c], r);
+        // a values row lies in one group (group sizes are multiples of 16)
+        if (h == 0 || !run_in_group)
+          p[c] = ok ? marlin_sparse_params<F>(scales, zeros, r, n0 + c, N) : MarlinParams{0.0f, 0.0f};
+      }
+      for (uint b = 0; b < 4; ++b) {
+        float4 xv[MR];
+        for (int m = 0; m < MR; ++m) {
+          if (uint(m) < M) {
+            const device T* xb = x + ulong(m) * K + kSparseValueRows * r + 4 * b;
+            xv[m] = float4(float(xb[0]), float(xb[1]), float(xb[2]), float(xb[3]));
+          } else {
+            xv[m] = float4(0.0f);
+          }
+        }
+        for (uint c = 0; c < 4; ++c) {
+          const float4 wb = marlin_sparse_block<F>(w[c], meta[c], b, p[c]);
+          for (int m = 0; m < MR; ++m) acc[m][c] += dot(wb, xv[m]);
+        }
       }
     }
   }
