@@ -84,6 +84,7 @@ setup(
     packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
     package_data={
         "torch_marlin.testing.mslsim": ["include/*", "include/**/*", "runtime/*", "runtime/**/*"],
+        "torch_marlin.testing": ["calibration_en.txt"],
     },
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False), "build_py": BuildPyWithMetal},

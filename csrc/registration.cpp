@@ -95,4 +95,8 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, str weight_format, "
                "int group_size, ScalarType? dtype=None)",
                "Tensor");
+  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
+  m.def(
+      "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
+      "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
 }

@@ -2,8 +2,11 @@
 
     torch-marlin convert SRC DST --format fp4|uint4|int4 --group-size N
                  [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
+                 [--sparsity 2:4] [--method gptq|sparsegpt|wanda --calibration FILE
+                 [--calibration-samples N] [--calibration-length L]]
 
-SRC is a model directory or a Hugging Face Hub repo id (torch_marlin/hf/hub.py).
+SRC is a model directory or a Hugging Face Hub repo id (torch_marlin/hf/hub.py);
+with a calibrated --method it must be a local directory.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .formats import GROUP_SIZES, WEIGHT_FORMATS
 from .quantize import quantizer_names
 
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE = 0, 1, 2
+CALIBRATED_METHODS = ("gptq", "sparsegpt", "wanda")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--quantizer", default="mse", choices=quantizer_names(),
                       help="quantizer for float sources (default mse)")
     conv.add_argument("--sparsity", choices=("2:4",), default=None,
-                      help="prune float sources to 2:4 structured sparsity before quantizing (magnitude; "
-                           "weights that are already 2:4 keep their pattern); docs/FORMAT.md")
+                      help="prune float sources to 2:4 structured sparsity before quantizing (by magnitude, "
+                           "or with --method sparsegpt|wanda; weights that are already 2:4 keep their "
+                           "pattern); docs/SPARSITY.md")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
@@ -53,7 +58,35 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_calibration_arguments(conv)
     return parser
+
+
+def _add_calibration_arguments(conv) -> None:
+    from .hf.calibrated import DEFAULT_BATCH_SIZE, DEFAULT_LENGTH, DEFAULT_SAMPLES
+
+    group = conv.add_argument_group("calibrated quantization (--method gptq|sparsegpt|wanda; docs/CONVERT.md)")
+    group.add_argument("--method", choices=("rtn",) + CALIBRATED_METHODS, default="rtn",
+                       help="rtn: round to nearest with --quantizer (with --sparsity: magnitude pruning), "
+                            "streaming (default); gptq: GPTQ on calibration text; sparsegpt, wanda (with "
+                            "--sparsity 2:4): 2:4 pruning on calibration text; the calibrated methods load "
+                            "the float model with transformers")
+    group.add_argument("--calibration", metavar="FILE",
+                       help="calibration text: JSON lines with a \"text\" field, or plain text, one sample per line")
+    group.add_argument("--calibration-samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
+                       help=f"number of samples drawn from FILE (default {DEFAULT_SAMPLES})")
+    group.add_argument("--calibration-length", type=int, default=DEFAULT_LENGTH, metavar="L",
+                       help=f"maximum tokens per sample; longer lines are split (default {DEFAULT_LENGTH})")
+    group.add_argument("--calibration-batch-size", type=int, default=DEFAULT_BATCH_SIZE, metavar="B",
+                       help=f"samples per forward pass (default {DEFAULT_BATCH_SIZE})")
+    group.add_argument("--seed", type=int, default=0, help="seed for drawing the samples (default 0)")
+    group.add_argument("--act-order", action="store_true",
+                       help="quantize columns by decreasing input energy (stores an input permutation)")
+    group.add_argument("--damp", type=float, default=0.01,
+                       help="Hessian damping, relative to its mean diagonal (default 0.01)")
+    group.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block size (default 128)")
+    group.add_argument("--calibration-dtype", choices=("float32", "bfloat16"), default="float32",
+                       help="dtype the float model runs in during calibration (bfloat16: half the memory)")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -68,28 +101,69 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def _convert(args) -> int:
     from .convert import convert
-    from .hf.errors import CheckpointError
 
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be a positive number of MiB", file=sys.stderr)
         return _EXIT_USAGE
-    try:
+    calibrated = args.method in CALIBRATED_METHODS
+    if calibrated != (args.calibration is not None):
+        method = args.method if calibrated else "gptq"
+        print(f"error: --method {method} and --calibration FILE go together", file=sys.stderr)
+        return _EXIT_USAGE
+    if calibrated and args.revision is not None:
+        print(f"error: --revision is for Hub repo ids; --method {args.method} takes a local model directory",
+              file=sys.stderr)
+        return _EXIT_USAGE
+    if args.method in ("sparsegpt", "wanda") and args.sparsity is None:
+        print(f"error: --method {args.method} prunes to 2:4: add --sparsity 2:4", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.method == "gptq" and args.sparsity is not None:
+        print("error: --sparsity 2:4 takes --method sparsegpt or wanda (GPTQ keeps every weight)", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.act_order and args.method != "gptq":
+        print("error: --act-order is a GPTQ option (--method gptq)", file=sys.stderr)
+        return _EXIT_USAGE
+    if calibrated:
+        return _convert_calibrated(args)
+
+    def run():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # notes are repeated in the summary
-            summary = convert(args.src, args.dst, weight_format=args.weight_format, group_size=args.group_size,
-                              exclude=args.exclude, dtype=args.dtype, quantizer=args.quantizer,
-                              overwrite=args.overwrite, allow_pickle=args.allow_pickle,
-                              quantize_lm_head=args.quantize_lm_head,
-                              max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                              revision=args.revision, sparsity=args.sparsity)
+            return convert(args.src, args.dst, weight_format=args.weight_format, group_size=args.group_size,
+                           exclude=args.exclude, dtype=args.dtype, quantizer=args.quantizer,
+                           overwrite=args.overwrite, allow_pickle=args.allow_pickle,
+                           quantize_lm_head=args.quantize_lm_head,
+                           max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
+                           revision=args.revision, sparsity=args.sparsity)
+    return _report(run)
+
+
+def _report(run) -> int:
+    """Print what run() returns, or the error; the exit status."""
+    from .hf.errors import CheckpointError
+
+    try:
+        result = run()
     except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: nothing was written to the destination", file=sys.stderr)
         return 130
-    print(summary)
+    print(result)
     return _EXIT_OK
+
+
+def _convert_calibrated(args) -> int:
+    from .hf.calibrated import convert_with_calibration
+
+    return _report(lambda: convert_with_calibration(
+        args.src, args.dst, args.calibration, weight_format=args.weight_format, group_size=args.group_size,
+        method=args.method, sparsity=args.sparsity,
+        samples=args.calibration_samples, length=args.calibration_length, batch_size=args.calibration_batch_size,
+        seed=args.seed, act_order=args.act_order, damp=args.damp, block_size=args.block_size,
+        exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
+        max_shard_bytes=args.max_shard_size * 2 ** 20, calibration_dtype=args.calibration_dtype))
 
 
 if __name__ == "__main__":

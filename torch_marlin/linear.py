@@ -82,19 +82,41 @@ class MarlinLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse", sparsity: Optional[str] = None) -> "MarlinLinear":
+                    method: str = "mse", sparsity: Optional[str] = None, hessian: Optional[torch.Tensor] = None,
+                    **options) -> "MarlinLinear":
         """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
         stays on that device. This is the one path every float linear weight takes
-        (quantize_model, quantize-on-load). `method` is the quantizer; with
-        sparsity="2:4" the weight is first pruned by magnitude (torch_marlin.sparsity;
-        a weight that is already 2:4 keeps its pattern)."""
+        (quantize_model, quantize-on-load). `method` is the quantizer.
+
+        method="gptq" needs `hessian`, mean(x x^T) [in_features, in_features] of the layer's
+        inputs, and takes act_order / damp / block_size / refine_rounds (torch_marlin.gptq);
+        with act_order the result is a PermutedInputMarlinLinear.
+
+        sparsity="2:4" prunes the weight to 2:4 first (docs/SPARSITY.md): by magnitude
+        (method "magnitude" or a quantizer name), or with method="sparsegpt" | "wanda" and
+        `hessian` (damp / block_size: torch_marlin.sparsegpt); a weight that is already 2:4
+        keeps its pattern."""
+        from .sparsity import CALIBRATED_PRUNING, split_method
+
         layout = _choose_layout(None, sparsity)
+        pruning, quantizer = split_method(method, sparsity)
+        if pruning in CALIBRATED_PRUNING:
+            from .sparsegpt import sparse_linear
+
+            return sparse_linear(linear, weight_format, group_size, pruning, hessian, **options)
+        if method == "gptq":
+            from .gptq import gptq_linear
+
+            return gptq_linear(linear, weight_format, group_size, hessian, **options)
+        if hessian is not None or options:
+            raise ValueError(f"hessian/{sorted(options) or 'options'} are only used by method='gptq' "
+                             f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
         if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
         weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        qweight = layout.from_float(weight, weight_format, group_size, method)
+        qweight = layout.from_float(weight, weight_format, group_size, quantizer)
         bias = None if linear.bias is None else linear.bias.detach().cpu()
         module = cls.from_quantized(qweight, bias)
         module.quantization_error = qweight.relative_error

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
 from .linear import MarlinLinear, is_float_linear
-from .sparsity import split_method
+from .sparsity import CALIBRATED_PRUNING, split_method
 
 Patterns = Union[str, Iterable[str], None]
 
@@ -21,15 +21,38 @@ class QuantizationReport:
     bytes_before: int = 0  # float weight + bias bytes of the replaced layers
     bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
     relative_errors: Dict[str, float] = field(default_factory=dict)
+    # method="gptq" (or a calibrated 2:4 method): relative output error on the calibration
+    # data, (baseline, method): (round to nearest, GPTQ), (magnitude 2:4, SparseGPT / Wanda)
+    output_errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    method_name: str = "GPTQ"
+    baseline_name: str = "round to nearest"
+    unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
+    calibration_batches: int = 0
+    seconds: float = 0.0
 
     @property
     def bytes_saved(self) -> int:
         return self.bytes_before - self.bytes_after
 
+    def record(self, name: str, linear: nn.Module, quantized: nn.Module) -> None:
+        self.bytes_before += _nbytes(linear)
+        self.bytes_after += _nbytes(quantized)
+        self.relative_errors[name] = quantized.quantization_error
+        self.replaced.append(name)
+
     def __str__(self) -> str:
         mib = 1 / 2 ** 20
-        return (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
+        text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
+        if self.output_errors:
+            lines = [text, f"{self.method_name} on {self.calibration_batches} calibration batches in "
+                           f"{self.seconds:.1f} s; relative output error per layer "
+                           f"({self.baseline_name} -> {self.method_name}):"]
+            lines += [f"  {name}: {rtn:.4f} -> {gptq:.4f}" for name, (rtn, gptq) in self.output_errors.items()]
+            if self.unreached:
+                lines.append(f"  never reached by the calibration data ({self.baseline_name}): {', '.join(self.unreached)}")
+            text = "\n".join(lines)
+        return text
 
 
 def matches_any(name: str, patterns: Iterable[str]) -> bool:
@@ -59,15 +82,24 @@ def _nbytes(module: nn.Module) -> int:
 
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
-                   method: str = "mse", sparsity: Optional[str] = None) -> QuantizationReport:
+                   method: str = "mse", calibration: Optional[Iterable] = None,
+                   sparsity: Optional[str] = None, **options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear.
     Returns a QuantizationReport (what was replaced, memory before/after).
 
-    sparsity="2:4" prunes every such layer to 2:4 first (SparseQuantizedWeight);
-    `method` then names the pruning method (torch_marlin.sparsity): "magnitude"
-    (or a quantizer name, "mse"/"absmax": magnitude pruning with that quantizer)."""
+    method="gptq" quantizes the layers one after another in forward order with
+    GPTQ on the inputs they receive from `calibration` (an iterable of model
+    inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
+    model(**d)); options act_order / damp / block_size / refine_rounds are
+    described in torch_marlin.gptq and torch_marlin.calibration.
+
+    sparsity="2:4" prunes every such layer to 2:4 (SparseQuantizedWeight,
+    docs/SPARSITY.md); `method` then names the pruning method: "magnitude" (no
+    data; or a quantizer name, "mse"/"absmax": magnitude pruning with that
+    quantizer), "sparsegpt" or "wanda" (sequential on `calibration` as GPTQ;
+    options damp / block_size, torch_marlin.sparsegpt)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     pruning, quantizer = split_method(method, sparsity)
@@ -82,15 +114,26 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             report.skipped.append(name)
         else:
             targets.append(name)
+    layers = {name: model.get_submodule(name) for name in targets}
+    if pruning in CALIBRATED_PRUNING:
+        from .sparsegpt import quantize_model_sparse
+
+        quantize_model_sparse(model, layers, report, weight_format, group_size, calibration, pruning, **options)
+        return report
+    if method == "gptq":
+        from .gptq import quantize_model_gptq
+
+        quantize_model_gptq(model, layers, report, weight_format, group_size, calibration, **options)
+        return report
+    if calibration is not None or options:
+        raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "
+                         f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
     for name in targets:
         linear = model.get_submodule(name)
         try:
             quantized = MarlinLinear.from_linear(linear, weight_format, group_size, quantizer, sparsity=sparsity)
         except ValueError as e:  # name the layer
             raise ValueError(f"{name}: {e}") from e
-        report.bytes_before += _nbytes(linear)
-        report.bytes_after += _nbytes(quantized)
-        report.relative_errors[name] = quantized.quantization_error
         model.set_submodule(name, quantized)
-        report.replaced.append(name)
+        report.record(name, linear, quantized)
     return report

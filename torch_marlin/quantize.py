@@ -44,6 +44,16 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
                     method: str = "mse") -> QuantizedWeight:
     """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs."""
     check_float_weight(weight, weight_format, group_size, method)
+    search = _NATIVE.get(_QUANTIZERS[method])
+    if search is not None:
+        return _quantize_native(weight, weight_format, group_size, search)
+    return quantize_weight_reference(weight, weight_format, group_size, method)
+
+
+def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                              method: str = "mse") -> QuantizedWeight:
+    """quantize_weight in plain torch, through the registered Python quantizer: the
+    specification of the C++ path of "mse" and "absmax", and the path of every other method."""
     n, k = weight.shape
     kp = formats.padded_in_features(k, group_size)
     gs = formats.effective_group_size(kp, group_size)
@@ -102,6 +112,27 @@ def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
     return q.packed, q.scales
 
 
+# The built-in quantizers also run in C++ (torch.ops.marlin._quantize_weight,
+# csrc/cpu/quantize_impl.h) on whole weights, straight to the packed layout;
+# the Python functions below are its specification and it matches them bit for
+# bit (tests/test_quantize_native.py).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, search: bool) -> QuantizedWeight:
+    w = weight.detach()
+    if w.device.type != "cpu" or w.dtype not in _NATIVE_DTYPES:
+        w = w.to("cpu", w.dtype if w.dtype in _NATIVE_DTYPES else torch.float32)
+    ratios, rounds = _search_space(search)
+    packed, scales, zeros, sums = torch.ops.marlin._quantize_weight(w, weight_format, group_size, ratios, rounds)
+    n, k = weight.shape
+    q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
+                        in_features=k, out_features=n)
+    err2, norm2 = sums.tolist()
+    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+    return q
+
+
 # --- per-format rounding -------------------------------------------------------------
 
 _E2M1_MAGNITUDES = E2M1_VALUES[:8]
@@ -154,9 +185,30 @@ def _round_e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
     return torch.div(y, step).sub_(0.5).ceil_().mul_(step).clamp_(max=6.0)
 
 
+def _search_space(search: bool):
+    """(clip ratios, candidates per ratio): the clipped scale, then least-squares refits."""
+    return (_CLIP_RATIOS, _REFIT_ROUNDS) if search else ([1.0], 1)
+
+
+def _tree_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in a fixed order: pairwise halving, x[i] + x[i + n/2],
+    zero-padded to a power of two. torch.sum's order depends on the shape and the build;
+    this one the C++ quantizer reproduces exactly, so both pick the same candidates."""
+    width = 1 << (x.shape[-1] - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.squeeze(-1)
+
+
+def _dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _tree_sum(a * b)
+
+
 def _squared_error(values, scale, groups):
-    diff = torch.addcmul(-groups, values, scale.float().unsqueeze(-1))
-    return torch.linalg.vecdot(diff, diff)
+    diff = values * scale.float().unsqueeze(-1) - groups
+    return _dot(diff, diff)
 
 
 def _keep_better(best, err, scale, zero):
@@ -175,16 +227,17 @@ def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
     qmax = 6.0 if weight_format == "fp4" else 7.0
     absmax = groups.abs().amax(-1)
     best = None
-    for ratio in (_CLIP_RATIOS if search else [1.0]):
+    ratios, rounds = _search_space(search)
+    for ratio in ratios:
         scale = _to_fp16_scale(absmax * ratio / qmax)
-        for _ in range(_REFIT_ROUNDS if search else 1):
+        for round_ in range(rounds):
             v = _values(groups, scale, None, weight_format)
             best = _keep_better(best, _squared_error(v, scale, groups), scale, None)
-            if not search:
+            if round_ + 1 == rounds:
                 break
             # Least-squares scale for these codes: argmin_s ||v*s - w||.
-            vv = torch.linalg.vecdot(v, v)
-            refit = torch.linalg.vecdot(v, groups) / vv.clamp_min(1e-30)
+            vv = _dot(v, v)
+            refit = _dot(v, groups) / vv.clamp_min(1e-30)
             scale = _to_fp16_scale(torch.where(vv > 0, refit, scale.float()))
     scale = best[1]
     return _round_codes(groups / scale.float().unsqueeze(-1), weight_format), scale, None
@@ -194,23 +247,25 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
     # The range always contains 0, so the zero point stays within 0..15.
     lo = groups.amin(-1).clamp(max=0)
     hi = groups.amax(-1).clamp(min=0)
-    w_mean = groups.mean(-1)
+    n = groups.shape[-1]
+    w_mean = _tree_sum(groups) / n
     w_centered = groups - w_mean.unsqueeze(-1)
     best = None
-    for ratio in (_CLIP_RATIOS if search else [1.0]):
+    ratios, rounds = _search_space(search)
+    for ratio in ratios:
         scale = _to_fp16_scale((hi - lo) * ratio / 15.0)
         zero = (-lo * ratio / scale.float()).to(torch.float16)
-        for _ in range(_REFIT_ROUNDS if search else 1):
+        for round_ in range(rounds):
             v = _values(groups, scale, zero, weight_format)  # q - zero
             best = _keep_better(best, _squared_error(v, scale, groups), scale, zero)
-            if not search:
+            if round_ + 1 == rounds:
                 break
             # Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
             q = v.add_(zero.float().unsqueeze(-1))
-            q_mean = q.mean(-1)
+            q_mean = _tree_sum(q) / n
             q_centered = q.sub_(q_mean.unsqueeze(-1))
-            var = torch.linalg.vecdot(q_centered, q_centered)
-            a = torch.linalg.vecdot(q_centered, w_centered) / var.clamp_min(1e-30)
+            var = _dot(q_centered, q_centered)
+            a = _dot(q_centered, w_centered) / var.clamp_min(1e-30)
             ok = (var > 0) & (a > _FP16_TINY)
             new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
             b = w_mean - a * q_mean
@@ -231,3 +286,5 @@ def _rtn(search: bool) -> Quantizer:
 
 register_quantizer("mse", _rtn(search=True))
 register_quantizer("absmax", _rtn(search=False))
+# Registered Python quantizer -> `search` of its C++ implementation.
+_NATIVE = {_QUANTIZERS["mse"]: True, _QUANTIZERS["absmax"]: False}

@@ -23,6 +23,7 @@ from .quantize import _ROW_CHUNK_ELEMENTS, check_float_weight, quantize_groups, 
 # Pruning methods of quantize_model(..., sparsity="2:4", method=...). magnitude
 # needs no data; wanda (|w| * ||x||) and sparsegpt need calibration inputs.
 PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
+CALIBRATED_PRUNING = ("wanda", "sparsegpt")  # torch_marlin.sparsegpt
 
 
 def mask_2to4(scores: torch.Tensor) -> torch.Tensor:
@@ -49,17 +50,18 @@ def is_2to4(weight: torch.Tensor) -> bool:
 def split_method(method: str, sparsity: Optional[str]) -> Tuple[Optional[str], str]:
     """quantize_model's `method` as (pruning method or None, quantizer). Without
     sparsity it is the quantizer; with sparsity="2:4" a pruning method
-    ("magnitude", "wanda", "sparsegpt") or a quantizer name (magnitude pruning)."""
+    ("magnitude", "wanda", "sparsegpt": the last two need calibration data,
+    torch_marlin.sparsegpt) or a quantizer name (magnitude pruning)."""
     layout_for_sparsity(sparsity)  # validates the string
     if sparsity is None:
+        if method in CALIBRATED_PRUNING:
+            raise ValueError(f"method={method!r} prunes to 2:4: it needs sparsity='2:4'")
         return None, method
     if method in quantizer_names():
         return "magnitude", method
     if method not in PRUNING_METHODS:
         raise ValueError(f"method must be one of {PRUNING_METHODS + quantizer_names()} with sparsity={sparsity!r}, "
                          f"got {method!r}")
-    if method != "magnitude":
-        raise NotImplementedError(f"method={method!r} needs calibration data; not available yet")
     return method, "mse"
 
 

@@ -114,6 +114,15 @@ def test_non_float_linear_weight(src, tmp_path, capsys):
     _fails(src, tmp_path, "float weight", capsys)
 
 
+def test_nan_in_a_linear_weight(src, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight"][5, 7] = float("nan")
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    _fails(src, tmp_path, r"layers\.1\.self_attn\.o_proj\.weight: weight contains NaN or Inf \(row 5\)", capsys)
+
+
 def test_unsupported_dtype_in_header(src, tmp_path, capsys):
     path = src / "model.safetensors"
     data = path.read_bytes()

@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -105,19 +105,11 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"quantizer must be one of {quantizer_names()}, got {quantizer!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
-    for name, value in (("src", src), ("dst", dst)):
-        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
-            raise ValueError(f"{name} must be a directory path{' or a Hub repo id' if name == 'src' else ''}, "
-                             f"got {value!r}")
     if revision is not None and (not isinstance(revision, str) or not revision):
         raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
-    dst = os.path.abspath(os.fspath(dst))
-    if os.path.exists(dst) and not overwrite:  # before anything is downloaded
-        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
     start = time.time()
-    src = os.path.abspath(resolve_source(os.fspath(src), revision, allow_pickle, progress))
-    if dst == src or dst.startswith(src + os.sep):
-        raise ValueError(f"dst must not be src or inside it: {dst}")
+    src, dst = check_paths(src, dst, overwrite,
+                           resolve=lambda path: resolve_source(path, revision, allow_pickle, progress))
     source = SourceCheckpoint(src, allow_pickle=allow_pickle)
     method, source_config = source_quantization(source)
     shapes = {key: source.shape(key) for key in source.keys()}
@@ -165,6 +157,24 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     result.seconds = time.time() - start
     result.output = dst
     return result
+
+
+def check_paths(src, dst, overwrite: bool, resolve: Optional[Callable[[str], str]] = None):
+    """Absolute (src, dst) directory paths. dst must not exist unless `overwrite` (checked
+    before `resolve`, which turns a Hub repo id SRC into a local directory, downloads
+    anything), nor be src or inside it. Also used by torch_marlin.hf.calibrated."""
+    for name, value in (("src", src), ("dst", dst)):
+        if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+            hub = " or a Hub repo id" if name == "src" and resolve is not None else ""
+            raise ValueError(f"{name} must be a directory path{hub}, got {value!r}")
+    dst = os.path.abspath(os.fspath(dst))
+    if os.path.exists(dst) and not overwrite:
+        raise FileExistsError(f"{dst} already exists; pass --overwrite (overwrite=True) to replace it")
+    src = os.fspath(src)
+    src = os.path.abspath(resolve(src) if resolve is not None else src)
+    if dst == src or dst.startswith(src + os.sep):
+        raise ValueError(f"dst must not be src or inside it: {dst}")
+    return src, dst
 
 
 def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer: ShardedWriter,

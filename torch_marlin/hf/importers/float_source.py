@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-import torch
-
 from ...layouts import QuantizedWeight, layout_for_sparsity
 from ...linear import linear_weight
 from ...model import matches_any
@@ -56,12 +54,14 @@ class FloatSource(Importer):
         weight = self.source.load(plan.keys[0])
         model_name = self.layout.resolve(module, self.layout.linears)
         weight = linear_weight(weight, self.layout.linears[model_name].kind == "conv1d")
-        if not torch.isfinite(weight).all():
-            raise CheckpointError(f"{plan.keys[0]} contains NaN or Inf")
         layout = layout_for_sparsity(self.sparsity) or QuantizedWeight
         if self.sparsity is not None and is_2to4(weight):
             self.already_sparse.append(module)
-        return ConvertedLayer(layout.from_float(weight, self.weight_format, self.group_size, self.quantizer))
+        try:  # the quantizer finds NaN and Inf while it reads the weight
+            q = layout.from_float(weight, self.weight_format, self.group_size, self.quantizer)
+        except ValueError as e:
+            raise CheckpointError(f"{plan.keys[0]}: {e}") from e
+        return ConvertedLayer(q)
 
     def layers_in_float(self, linears, converted):
         return sorted(self.skipped)

@@ -1,0 +1,136 @@
+// torch.ops.marlin._quantize_weight on CPU: the built-in quantizers of
+// torch_marlin/quantize.py for a whole weight [N, K], multithreaded over
+// blocks of rows, straight to the packed layout (docs/FORMAT.md).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/checks.h"
+#include "cpu/quantize_args.h"
+
+namespace marlin {
+namespace cpu {
+namespace {
+
+enum class QuantizeIsa { kGeneric, kAvx2, kAvx512 };
+
+// The best build this CPU runs. TORCH_MARLIN_CPU_KERNELS=generic or =avx2
+// caps it; read on every call, so the tests can compare the builds.
+QuantizeIsa quantize_isa() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  const char* forced = std::getenv("TORCH_MARLIN_CPU_KERNELS");
+  const std::string cap = forced ? forced : "";
+  if (cap == "generic") return QuantizeIsa::kGeneric;
+  if (cap != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
+    return QuantizeIsa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return QuantizeIsa::kAvx2;
+#endif
+  return QuantizeIsa::kGeneric;
+}
+
+int source_type(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return kSourceFloat32;
+    case at::kBFloat16: return kSourceBFloat16;
+    case at::kHalf: return kSourceFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, "weight must be float32, bfloat16 or float16, got ", dtype);
+  }
+}
+
+// Returns packed [K'/8, N] int32, scales [G, N] fp16, zeros [G, N] fp16 (uint4;
+// else empty) and sums = [squared error, squared weights] float64, K' being K
+// padded as quantize.py pads it.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_weight_cpu(
+    const at::Tensor& weight, c10::string_view weight_format, int64_t group_size,
+    at::ArrayRef<double> clip_ratios, int64_t rounds) {
+  const WeightFormat format = parse_weight_format(std::string(weight_format));
+  check_group_size(group_size);
+  TORCH_CHECK_VALUE(weight.dim() == 2, "weight must be a 2-D tensor [N, K], got shape ", weight.sizes());
+  TORCH_CHECK_VALUE(weight.device().is_cpu(), "weight must be a CPU tensor, got ", weight.device());
+  TORCH_CHECK_VALUE(weight.numel() > 0, "weight must not be empty, got shape ", weight.sizes());
+  const int source = source_type(weight.scalar_type());
+  TORCH_CHECK_VALUE(!clip_ratios.empty(), "clip_ratios must not be empty");
+  std::vector<float> ratios;
+  for (double r : clip_ratios) {
+    TORCH_CHECK_VALUE(std::isfinite(r) && r > 0 && r <= 1, "clip_ratios must lie in (0, 1], got ", r);
+    ratios.push_back(float(r));
+  }
+  TORCH_CHECK_VALUE(rounds >= 1 && rounds * int64_t(ratios.size()) <= kMaxQuantizeCandidates,
+                    "rounds must be at least 1 and len(clip_ratios) * rounds at most ", kMaxQuantizeCandidates,
+                    ", got rounds=", rounds, " and ", ratios.size(), " clip ratios");
+
+  const at::Tensor w = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t multiple = group_size == -1 ? kPackFactor : std::max<int64_t>(kPackFactor, group_size);
+  const int64_t padded_k = (k + multiple - 1) / multiple * multiple;
+  const int64_t group_len = group_size == -1 ? padded_k : group_size;
+  const int64_t groups = padded_k / group_len;
+  const auto half = w.options().dtype(at::kHalf);
+  at::Tensor packed = at::empty({padded_k / kPackFactor, n}, w.options().dtype(at::kInt));
+  at::Tensor scales = at::empty({groups, n}, half);
+  at::Tensor zeros = format == WeightFormat::kUint4 ? at::empty({groups, n}, half) : at::empty({0}, half);
+
+  QuantizeArgs a{};
+  a.weight = w.data_ptr();
+  a.row_stride = w.stride(0);
+  a.n = n;
+  a.k = k;
+  a.padded_k = padded_k;
+  a.group_len = group_len;
+  a.source = source;
+  a.format = static_cast<int>(format);
+  a.ratios = ratios.data();
+  a.num_ratios = int64_t(ratios.size());
+  a.rounds = rounds;
+  a.packed = packed.data_ptr<int32_t>();
+  a.scales = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  a.zeros = format == WeightFormat::kUint4 ? reinterpret_cast<uint16_t*>(zeros.data_ptr<at::Half>()) : nullptr;
+
+  const QuantizeIsa isa = quantize_isa();
+  const auto scratch_floats = isa == QuantizeIsa::kAvx512 ? avx512::quantize_scratch_floats
+                              : isa == QuantizeIsa::kAvx2 ? avx2::quantize_scratch_floats
+                                                          : generic::quantize_scratch_floats;
+  const auto quantize_rows = isa == QuantizeIsa::kAvx512 ? avx512::quantize_rows
+                             : isa == QuantizeIsa::kAvx2 ? avx2::quantize_rows
+                                                         : generic::quantize_rows;
+  const int64_t blocks = (n + kQuantizeBlockRows - 1) / kQuantizeBlockRows;
+  std::vector<QuantizeSums> partial(blocks, QuantizeSums{0.0, 0.0, -1});
+  // Threads take the next block as they finish one: the cores are often shared,
+  // and a static split would wait for the slowest thread.
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> buffer(scratch_floats(a) + 16);
+    float* scratch = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t(63));
+    for (int64_t b; !failed.load(std::memory_order_relaxed) && (b = next.fetch_add(1)) < blocks;) {
+      const int64_t n0 = b * kQuantizeBlockRows;
+      partial[b] = quantize_rows(a, n0, std::min(n, n0 + kQuantizeBlockRows), scratch);
+      if (partial[b].bad_row >= 0) failed = true;
+    }
+  });
+  double err2 = 0, norm2 = 0;
+  for (const QuantizeSums& s : partial) {
+    TORCH_CHECK_VALUE(s.bad_row < 0, "weight contains NaN or Inf (row ", s.bad_row, ")");
+    err2 += s.err2;
+    norm2 += s.norm2;
+  }
+  at::Tensor sums = at::tensor({err2, norm2}, at::dtype(at::kDouble));
+  return {packed, scales, zeros, sums};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(marlin, CPU, m) { m.impl("_quantize_weight", &quantize_weight_cpu); }
+
+}  // namespace cpu
+}  // namespace marlin

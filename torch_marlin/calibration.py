@@ -1,0 +1,496 @@
+"""Sequential calibration: collect each linear layer's input Hessian and hand it to a quantizer.
+
+The engine knows nothing about GPTQ: `quantize_sequentially(model, targets,
+calibration, quantize_layer, quantize_unreached)` calls
+`quantize_layer(name, layer, H)` for each target (an nn.Linear or a
+transformers Conv1D) with `H = mean(x x^T)`, float64 `[in_features,
+in_features]` on the CPU, over the unpadded input rows the layer saw, and puts
+the module it returns in the layer's place. That module must have
+`in_features`, `out_features` and `dequantize(dtype) -> [out, in]` (and may
+have an int `input_perm` of its input columns, as PermutedInputMarlinLinear):
+until the end the model runs an nn.Linear holding that dequantized weight.
+torch_marlin.gptq uses it for GPTQ; a pruner (SparseGPT) or any other
+Hessian-based method can use it unchanged.
+
+Layers are quantized in the order the model first calls them, each on the
+inputs it receives from the model with all earlier layers already quantized.
+A step is one layer, or several that the model calls one after another on
+the same input tensor (q/k/v, gate/up: they share one Hessian). For each step
+forward hooks add x x^T of the step's input rows into one [K, K] float32
+Hessian; nothing else is kept between batches.
+
+How the inputs are produced:
+
+- Generic (any nn.Module): the calibration batches run through the whole
+  model, and the forward stops right after the step's last layer was reached.
+  Cost: one pass to find the order plus about half a pass per step.
+- Blocks (transformer stacks, found and verified automatically): when the
+  layers sit in the children of an nn.ModuleList that the model calls one
+  after another, each feeding its output to the next with the same other
+  arguments (checked by object identity during the first pass), the inputs of
+  the current block are kept for every batch and only that block runs: its
+  steps, then once more to produce the next block's inputs. Cost: about
+  three passes in all; memory: one block's inputs for the calibration set.
+  The results are identical to the generic way (same operations on the same
+  inputs); layers outside the blocks (embeddings side, pooler, heads) use it.
+
+Padding is excluded: when a batch is a dict with a 2-D `attention_mask` and a
+layer's input starts with the mask's [batch, sequence] dimensions, only the
+positions where the mask is nonzero count. A model whose config has
+`use_cache` runs with it off during calibration (no key/value caches).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from .linear import is_conv1d
+
+
+class CalibrationError(ValueError):
+    """The calibration data cannot be used (empty, rejected by the model, NaN/Inf activations)."""
+
+
+class _StopForward(BaseException):
+    """Raised from a hook once a step has what it needs; BaseException so that model code
+    catching Exception does not swallow it."""
+
+
+@dataclass
+class CalibrationStats:
+    batches: int = 0
+    rows: Dict[str, int] = field(default_factory=dict)  # input rows (tokens) seen per layer
+    unreached: List[str] = field(default_factory=list)
+    steps: int = 0
+    blocks: Optional[str] = None  # the nn.ModuleList run block by block, if any
+    seconds_forward: float = 0.0
+    seconds_quantize: float = 0.0
+
+
+def as_batches(calibration) -> list:
+    """The calibration iterable as a list of batches (iterated once); validates each item."""
+    if calibration is None:
+        raise CalibrationError("method='gptq' needs calibration data: calibration=[batch, ...] where a "
+                               "batch is a Tensor (model(t)), a tuple (model(*t)) or a dict (model(**d))")
+    if isinstance(calibration, (torch.Tensor, dict, str, bytes)):
+        raise CalibrationError(f"calibration must be an iterable of batches (e.g. a list of tensors), "
+                               f"got a single {type(calibration).__name__}; wrap it in a list")
+    try:
+        batches = list(calibration)
+    except TypeError as e:
+        raise CalibrationError(f"calibration must be an iterable of batches, got {type(calibration).__name__}") from e
+    if not batches:
+        raise CalibrationError("calibration is empty: give at least one batch of model inputs")
+    for i, batch in enumerate(batches):
+        if not isinstance(batch, (torch.Tensor, tuple, list, dict)):
+            raise CalibrationError(f"calibration batch {i} must be a Tensor, a tuple or a dict of model inputs, "
+                                   f"got {type(batch).__name__}")
+    return batches
+
+
+def _to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(v, device) for v in obj)
+    return obj
+
+
+def _mask_of(batch) -> Optional[torch.Tensor]:
+    if isinstance(batch, dict):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            return mask != 0
+    return None
+
+
+def _input_of(args: tuple, kwargs: dict):
+    return args[0] if args else kwargs.get("input")
+
+
+def _looks_like_cache(value) -> bool:
+    return callable(getattr(value, "update", None)) and callable(getattr(value, "get_seq_length", None))
+
+
+@dataclass
+class _BlockCall:
+    """One batch's call of the current block: what to run it with again."""
+
+    args: tuple
+    kwargs: dict
+    mask: Optional[torch.Tensor]
+
+
+class _Runner:
+    """Runs calibration batches through the model (or one block) with pre-hooks on some modules."""
+
+    def __init__(self, model: nn.Module, batches: list, stats: CalibrationStats):
+        self.model = model
+        self.batches = batches
+        self.stats = stats
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.batch_index = 0
+        self.mask = None
+
+    def rows(self, name: str, args: tuple, kwargs: dict) -> torch.Tensor:
+        """A layer's input as [rows, K] float32, padding removed; checks for NaN/Inf."""
+        x = _input_of(args, kwargs)
+        if not isinstance(x, torch.Tensor):
+            raise CalibrationError(f"layer {name!r} was called without a tensor input")
+        if self.mask is not None and x.dim() >= 3 and tuple(x.shape[:2]) == tuple(self.mask.shape):
+            x = x[self.mask.to(x.device)]
+        x = x.reshape(-1, x.shape[-1])
+        if not torch.isfinite(x).all():
+            raise CalibrationError(f"layer {name!r} received NaN or Inf inputs in calibration batch "
+                                   f"{self.batch_index}; the calibration data (or the model in its "
+                                   f"partially quantized state) produces non-finite activations")
+        return x.float()
+
+    def _hooked(self, hooks: Dict[nn.Module, Callable]):
+        return [m.register_forward_pre_hook(fn, with_kwargs=True) for m, fn in hooks.items()]
+
+    def run(self, hooks: Dict[nn.Module, Callable]) -> None:
+        """Every batch through the whole model."""
+        handles = self._hooked(hooks)
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                for i, batch in enumerate(self.batches):
+                    self.batch_index, self.mask = i, _mask_of(batch)
+                    batch = _to_device(batch, self.device)
+                    try:
+                        if isinstance(batch, torch.Tensor):
+                            self.model(batch)
+                        elif isinstance(batch, dict):
+                            self.model(**batch)
+                        else:
+                            self.model(*batch)
+                    except _StopForward:
+                        pass
+                    except CalibrationError:
+                        raise
+                    except Exception as e:
+                        raise CalibrationError(f"the model rejected calibration batch {i}: "
+                                               f"{type(e).__name__}: {e}") from e
+        finally:
+            for h in handles:
+                h.remove()
+            self.stats.seconds_forward += time.perf_counter() - start
+
+    def run_block(self, block: nn.Module, calls: List[_BlockCall], hooks: Dict[nn.Module, Callable],
+                  keep_outputs: bool = False) -> list:
+        """Every batch's stored call of one block; returns the outputs if asked."""
+        handles = self._hooked(hooks)
+        start = time.perf_counter()
+        outputs = []
+        try:
+            with torch.no_grad():
+                for i, call in enumerate(calls):
+                    self.batch_index, self.mask = i, call.mask
+                    try:
+                        out = block(*call.args, **call.kwargs)
+                    except _StopForward:
+                        out = None
+                    if keep_outputs:
+                        outputs.append(out)
+        finally:
+            for h in handles:
+                h.remove()
+            self.stats.seconds_forward += time.perf_counter() - start
+        return outputs
+
+
+@dataclass
+class _Discovery:
+    steps: List[List[str]]  # layer names per step, in forward order
+    rows: Dict[str, int]
+    once: Dict[str, bool]  # called at most once per forward
+    block_of: Dict[str, Optional[int]]  # index of the block a layer runs in (None: outside)
+    blocks: Optional[List[nn.Module]] = None  # set when block-by-block running was verified
+    blocks_name: Optional[str] = None
+    output_is_tuple: bool = False  # the next block's input is output[0] (else the output itself)
+
+
+def _candidate_blocks(model: nn.Module, targets: Dict[str, nn.Module]):
+    """The nn.ModuleList holding the most target layers (at least two children with some)."""
+    best = None
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or not name:
+            continue
+        used = {t[len(name) + 1:].split(".", 1)[0] for t in targets if t.startswith(name + ".")}
+        count = sum(1 for t in targets if t.startswith(name + "."))
+        if len(used) >= 2 and (best is None or count > best[0]):
+            best = (count, name, list(module))
+    return (best[1], best[2]) if best else (None, None)
+
+
+def _discover(runner: _Runner, model: nn.Module, targets: Dict[str, nn.Module]) -> _Discovery:
+    """One full pass over the batches: first-call order, rows seen and calls per batch of every
+    target, which consecutive calls share their input tensor, and whether the candidate blocks
+    can be run one by one (each called once, in order, fed by the previous one's output)."""
+    order: List[str] = []
+    rows = {name: 0 for name in targets}
+    calls: Dict[str, tuple] = {}  # name -> (batch index, calls in that batch)
+    repeated = set()
+    shares_previous: Dict[str, bool] = {}
+    block_of: Dict[str, Optional[int]] = {}
+    last = {"input": None, "name": None}
+    blocks_name, blocks = _candidate_blocks(model, targets)
+    chain = {"ok": blocks is not None, "why": "", "tuple": None, "current": None, "previous": None,
+             "expected": 0, "out": None}
+
+    def refuse(why):
+        chain["ok"], chain["why"] = False, why
+
+    def target_hook(name):
+        def hook(module, args, kwargs):
+            x = _input_of(args, kwargs)
+            rows[name] += runner.rows(name, args, kwargs).shape[0]
+            batch, count = calls.get(name, (-1, 0))
+            count = count + 1 if batch == runner.batch_index else 1
+            calls[name] = (runner.batch_index, count)
+            if count > 1:
+                repeated.add(name)
+            where = chain["current"]
+            if name in block_of and block_of[name] != where:
+                refuse(f"{name} runs in more than one place")
+            block_of[name] = where
+            if name not in shares_previous:
+                # Same tensor as the call just before, and that call was the previous new layer.
+                shares_previous[name] = last["input"] is x and bool(order) and last["name"] == order[-1]
+                order.append(name)
+            last["input"], last["name"] = x, name
+        return hook
+
+    def block_pre_hook(index):
+        def hook(module, args, kwargs):
+            if index != chain["expected"]:
+                refuse(f"block {index} ran out of order")
+            chain["expected"] = index + 1
+            if any(_looks_like_cache(v) for v in list(args) + list(kwargs.values())):
+                refuse("a block receives a key/value cache")
+            previous = chain["previous"]
+            if previous is not None and chain["ok"]:
+                p_args, p_kwargs, out = previous
+                fed = out[0] if isinstance(out, (tuple, list)) and out else out
+                as_tuple = fed is not out
+                if not (args and args[0] is fed and len(args) == len(p_args)
+                        and all(a is b for a, b in zip(args[1:], p_args[1:]))
+                        and kwargs.keys() == p_kwargs.keys()
+                        and all(kwargs[k] is p_kwargs[k] for k in kwargs)):
+                    refuse(f"block {index} is not fed by block {index - 1}'s output with the same arguments")
+                elif chain["tuple"] not in (None, as_tuple):
+                    refuse("blocks return different kinds of output")
+                chain["tuple"] = as_tuple
+            chain["current"] = index
+            chain["previous"] = (args, kwargs, None)
+        return hook
+
+    def block_hook(index):
+        def hook(module, args, kwargs, output):
+            chain["current"] = None
+            chain["previous"] = (args, kwargs, output)
+        return hook
+
+    hooks = {module: target_hook(name) for name, module in targets.items()}
+    handles = []
+    if blocks is not None:
+        for i, block in enumerate(blocks):
+            if block in hooks:  # a target itself: not a block of layers
+                refuse("the list holds linear layers, not blocks")
+            handles.append(block.register_forward_pre_hook(block_pre_hook(i), with_kwargs=True))
+            handles.append(block.register_forward_hook(block_hook(i), with_kwargs=True))
+
+    original_run = runner.run
+
+    def run_checking_each_batch(hooks_):
+        # Each batch must call every block once, in order.
+        def batch_start(module, args, kwargs):
+            if chain["expected"] not in (0, len(blocks)):
+                refuse("a forward did not call every block")
+            chain["expected"], chain["previous"], chain["current"] = 0, None, None
+        extra = {model: batch_start} if blocks is not None else {}
+        original_run({**extra, **hooks_})
+
+    try:
+        run_checking_each_batch(hooks)
+    finally:
+        for h in handles:
+            h.remove()
+        last["input"] = None
+        chain["previous"] = None
+    if blocks is not None and chain["expected"] not in (0, len(blocks)):
+        refuse("a forward did not call every block")
+
+    steps: List[List[str]] = []
+    for name in order:
+        if shares_previous[name] and steps:
+            steps[-1].append(name)
+        else:
+            steps.append([name])
+    found = _Discovery(steps, rows, {name: name not in repeated for name in order}, block_of)
+    if blocks is not None and chain["ok"] and _steps_fit_blocks(steps, block_of):
+        found.blocks, found.blocks_name, found.output_is_tuple = blocks, blocks_name, bool(chain["tuple"])
+    return found
+
+
+def _steps_fit_blocks(steps: List[List[str]], block_of: Dict[str, Optional[int]]) -> bool:
+    """Steps must not mix blocks, and block steps must be in block order with no outside
+    step between the first and the last block's steps."""
+    where = []
+    for step in steps:
+        places = {block_of[name] for name in step}
+        if len(places) != 1:
+            return False
+        where.append(places.pop())
+    inside = [i for i, w in enumerate(where) if w is not None]
+    if not inside:
+        return False
+    span = where[inside[0]:inside[-1] + 1]
+    return None not in span and span == sorted(span)
+
+
+def _dense_stand_in(quantized: nn.Module, linear: nn.Module) -> nn.Linear:
+    """nn.Linear computing what `quantized` (a MarlinLinear, maybe with input_perm) computes;
+    `linear` (nn.Linear or Conv1D) gives the bias and dtype."""
+    weight = quantized.dequantize(torch.float32)
+    perm = getattr(quantized, "input_perm", None)
+    if perm is not None:
+        unpermuted = torch.empty_like(weight)
+        unpermuted[:, perm.long()] = weight
+        weight = unpermuted
+    stand_in = nn.Linear(quantized.in_features, quantized.out_features, bias=linear.bias is not None,
+                         device="meta")
+    stand_in.weight = nn.Parameter(weight.to(linear.weight.dtype), requires_grad=False)
+    if linear.bias is not None:
+        stand_in.bias = linear.bias
+    return stand_in.to(linear.weight.device)
+
+
+def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calibration: Iterable,
+                          quantize_layer: Callable[[str, nn.Module, torch.Tensor], nn.Module],
+                          quantize_unreached: Callable[[str, nn.Module], nn.Module],
+                          use_blocks: bool = True) -> CalibrationStats:
+    """Quantize `targets` ({qualified name: nn.Linear or Conv1D of `model`}) in forward order.
+
+    quantize_layer(name, linear, hessian) returns the replacement module (a MarlinLinear,
+    or any module meeting the contract in the module docstring); hessian is float64 [K, K].
+    Until the end, later steps run through an nn.Linear holding its dequantized weight:
+    the same function, computed by the float GEMM, which is faster than the 4-bit
+    kernel on calibration-sized batches. Layers the calibration never reaches are
+    replaced by quantize_unreached(name, linear) and listed in the stats, with a warning.
+    use_blocks=False forces the generic way (the tests compare the two)."""
+    batches = as_batches(calibration)
+    stats = CalibrationStats(batches=len(batches))
+    runner = _Runner(model, batches, stats)
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if use_cache:
+        config.use_cache = False
+    try:
+        found = _discover(runner, model, targets)
+        stats.rows = {name: n for name, n in found.rows.items() if n}
+        quantized: Dict[str, nn.Module] = {}
+
+        def finish(step, hessian, seen_rows):
+            stats.steps += 1
+            hessian = hessian.cpu().double() / seen_rows
+            start = time.perf_counter()
+            for name in step:
+                quantized[name] = quantize_layer(name, targets[name], hessian)
+                model.set_submodule(name, _dense_stand_in(quantized[name], targets[name]))
+            stats.seconds_quantize += time.perf_counter() - start
+
+        blocks = found.blocks if use_blocks else None
+        block_steps: Dict[int, List[List[str]]] = {}
+        for step in found.steps:
+            index = found.block_of[step[0]] if blocks is not None else None
+            if index is None:
+                if block_steps and blocks is not None:  # after the blocks: run them first
+                    _run_blocks(runner, blocks, block_steps, found, targets, finish)
+                    block_steps = {}
+                    blocks = None
+                _run_step(runner, step, targets, found.once, finish, lambda hooks: runner.run(hooks))
+            else:
+                block_steps.setdefault(index, []).append(step)
+        if block_steps and blocks is not None:
+            _run_blocks(runner, blocks, block_steps, found, targets, finish)
+        if found.blocks is not None and use_blocks:
+            stats.blocks = found.blocks_name
+    finally:
+        if use_cache:
+            config.use_cache = use_cache
+    for name, module in quantized.items():
+        model.set_submodule(name, module)
+    reached = {name for step in found.steps for name in step}
+    stats.unreached = [name for name in targets if name not in reached]
+    if stats.unreached:
+        warnings.warn(f"{len(stats.unreached)} linear layers were never called on the calibration data and "
+                      f"are quantized without it (round to nearest, method='mse'): "
+                      f"{', '.join(stats.unreached[:10])}{' ...' if len(stats.unreached) > 10 else ''}",
+                      stacklevel=3)
+        for name in stats.unreached:
+            model.set_submodule(name, quantize_unreached(name, targets[name]))
+    return stats
+
+
+def _run_step(runner: _Runner, step: List[str], targets, once, finish, run) -> None:
+    """Accumulate the Hessian of one step's input with `run(hooks)`, then quantize the step."""
+    first = targets[step[0]]
+    in_features = first.weight.shape[0] if is_conv1d(first) else first.in_features
+    hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=runner.device)
+    seen = {"rows": 0}
+
+    def accumulate(module, args, kwargs):
+        x = runner.rows(step[0], args, kwargs)
+        hessian.addmm_(x.t(), x)
+        seen["rows"] += x.shape[0]
+
+    def stop(module, args, kwargs):
+        raise _StopForward
+
+    def accumulate_and_stop(module, args, kwargs):
+        accumulate(module, args, kwargs)
+        raise _StopForward
+
+    hooks = {first: accumulate}
+    # The forward can end at the step's last layer (which runs after the others), unless a
+    # layer runs more than once per forward (shared weights): then the whole forward counts.
+    if all(once[name] for name in step):
+        last = targets[step[-1]]
+        hooks[last] = accumulate_and_stop if last is first else stop
+    run(hooks)
+    if seen["rows"] == 0:
+        raise CalibrationError(f"layer {step[0]!r} received no calibration inputs")
+    finish(step, hessian, seen["rows"])
+
+
+def _run_blocks(runner: _Runner, blocks: List[nn.Module], block_steps: Dict[int, List[List[str]]],
+                found: _Discovery, targets, finish) -> None:
+    """Quantize the blocks' layers block by block on kept block inputs."""
+    first = min(block_steps)
+    calls: List[_BlockCall] = []
+
+    def capture(module, args, kwargs):
+        calls.append(_BlockCall(args, kwargs, runner.mask))
+        raise _StopForward
+
+    runner.run({blocks[first]: capture})
+    for index in range(first, max(block_steps) + 1):
+        block = blocks[index]
+        for step in block_steps.get(index, []):
+            _run_step(runner, step, targets, found.once, finish,
+                      lambda hooks: runner.run_block(block, calls, hooks))
+        if index < max(block_steps):
+            outputs = runner.run_block(block, calls, {}, keep_outputs=True)
+            for call, out in zip(calls, outputs):
+                fed = out[0] if found.output_is_tuple else out
+                call.args = (fed,) + tuple(call.args[1:])
