@@ -30,17 +30,10 @@ bool use_avx2() {
 
 Sparse24Args make_args(const at::Tensor& values, const at::Tensor& metadata, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& zeros, const QuantizedShape& s) {
-  TORCH_CHECK(values.device().is_cpu(), "values must be a CPU tensor for the CPU kernel, got ", values.device());
+  check_cpu(values, "values");
   Sparse24Args a{};
-  a.packed = values.data_ptr<int32_t>();
+  static_cast<GemmArgs&>(a) = cpu::make_args(values, scales, zeros, s);  // values in place of packed
   a.metadata = metadata.data_ptr<int32_t>();
-  a.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
-  a.zeros = zeros ? reinterpret_cast<const uint16_t*>(zeros->data_ptr<at::Half>()) : nullptr;
-  a.k = s.k;
-  a.n = s.n;
-  a.groups = s.groups;
-  a.group_rows = s.group_rows;
-  a.format = static_cast<int>(s.format);
   return a;
 }
 
