@@ -81,6 +81,17 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor packed, Tensor scales, Tensor? zeros, str weight_format, int group_size, "
                "ScalarType? dtype=None)",
                "Tensor");
+  // Expert-stack layout (torch_marlin/layouts/experts.py, docs/FORMAT.md): rows of
+  // T tokens routed to their top_k experts, each times that expert's matrix.
+  def_metal_op(m, "moe_gemm",
+               "(Tensor x, Tensor expert_ids, Tensor? topk_weights, Tensor packed, Tensor scales, Tensor? zeros, "
+               "Tensor? bias, str weight_format, int group_size)",
+               "Tensor");
+  // Its backward for x: grad [T, top_k, N] of each routed row times its expert's B^T.
+  // One opaque op, so that traced backward graphs do not see the per-expert loop
+  // (implemented in Python on the dense dequantize op, torch_marlin/layouts/experts.py).
+  m.def("_moe_gemm_grad_x(Tensor grad, Tensor expert_ids, Tensor packed, Tensor scales, Tensor? zeros, "
+        "str weight_format, int group_size) -> Tensor");
   // What the MPS bridge decides from the device and its pipelines
   // (csrc/core/metal_plan.cpp), exposed so run_metal and the tests apply the same rules.
   m.def("_metal_fit_threadgroup(str kernel, int[] threadgroup, int min_threads_x, int max_threads, "

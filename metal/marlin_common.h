@@ -65,7 +65,8 @@ MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};
   X(kFcWritePartial, marlin_write_partial, 1, bool) /* K split: store fp32 partial tiles */       \
   X(kFcAligned, marlin_aligned, 2, bool)            /* N % 4 == 0, buffers 16-byte aligned */     \
   X(kFcGroupRows, marlin_group_rows, 3, uint)       /* packed rows per group, 0: one group */     \
-  X(kFcRows, marlin_rows, 4, uint)                  /* GEMV: rows of x (M), 1..kGemvMaxRows */
+  X(kFcRows, marlin_rows, 4, uint)                  /* GEMV: rows of x (M), 1..kGemvMaxRows */  \
+  X(kFcMoeWeighted, marlin_moe_weighted, 5, bool)   /* moe combine: weighted sum of top_k rows */
 
 #if !defined(__METAL_VERSION__)
 #define MARLIN_FC_ENUM(e, name, index, type) e = index,
@@ -131,5 +132,14 @@ MARLIN_CONSTEXPR int kReduceOutputs = 256;
 // kDequantColumns x kDequantRows threads, one packed word each.
 MARLIN_CONSTEXPR int kDequantColumns = 32;
 MARLIN_CONSTEXPR int kDequantRows = 4;
+
+// Routed expert matmuls (metal/moe.metal): the per-pair GEMV is the decode
+// GEMV on one row; the grouped GEMM is the fused GEMM on tiles of kMoeTileM
+// expert-sorted rows; the routing kernel is one threadgroup of
+// kMoeRouteThreads threads; the combining epilogue kMoeCombineThreads threads
+// per threadgroup.
+MARLIN_CONSTEXPR int kMoeTileM = 32;
+MARLIN_CONSTEXPR int kMoeRouteThreads = 256;
+MARLIN_CONSTEXPR int kMoeCombineThreads = 256;
 
 }  // namespace marlin

@@ -30,23 +30,21 @@
 
 using namespace metal;
 
-template <typename T, WeightFormat F, int TM>
-[[kernel]] void marlin_gemm_fused(MARLIN_GEMM_BUFFERS(T),
-                                  threadgroup T* x_tiles [[threadgroup(0)]],
-                                  uint3 tgid [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]],
-                                  uint sg [[simdgroup_index_in_threadgroup]],
-                                  uint lane [[thread_index_in_simdgroup]]) {
+// One TM x kGemmTileN output tile (column block n_block) over packed rows
+// [r_begin, r_end): tile row i reads x row rows.x_row(i) (zero where
+// !rows.has(i)) and stores output row m0 + i through `out` (MarlinOutput, or
+// the routed expert GEMM's row scatter, metal/moe.metal).
+template <typename T, WeightFormat F, int TM, typename Rows, typename Out>
+inline void marlin_gemm_fused_tile(const device T* x, thread const Rows& rows, const device uint* packed,
+                                   const device half* scales, const device half* zeros, uint N, uint K,
+                                   uint n_block, uint r_begin, uint r_end, thread const Out& out, uint m0,
+                                   threadgroup T* x_tiles, uint tid, uint sg, uint lane) {
   constexpr int MF = TM / 8;  // fragments along M
   constexpr uint S = x_tile_stride(sizeof(T)), XS = TM * S;
   const MarlinLane l = marlin_lane(lane);
   const uint p = l.col / 2;                   // nibble pair (p, p + 4) of this lane
   const uint k_lane = marlin_fragment_k(l.row);  // K row of this lane in an x^T fragment
-  const uint m0 = tgid.y * TM;
-  const uint nb = tgid.x * kGemmTileN + sg * (kGemmTileN / 4);
-  const uint KR = K / 8;
-  const uint r_begin = tgid.z * split_rows;
-  const uint r_end = min(KR, r_begin + split_rows);
+  const uint nb = n_block * kGemmTileN + sg * (kGemmTileN / 4);
   const uint k_begin = 8 * r_begin, k_end = 8 * r_end;
 
   simdgroup_matrix<float, 8, 8> acc[2][MF];
@@ -56,12 +54,12 @@ template <typename T, WeightFormat F, int TM>
   // This lane's two B columns (one per N fragment).
   const uint n_lane[2] = {nb + l.row, nb + 8 + l.row};
 
-  marlin_load_x_tile<T, TM>(x_tiles, x, m0, k_begin, M, K, k_end, tid);
+  marlin_load_x_rows<T, TM>(x_tiles, x, rows, k_begin, K, k_end, tid);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   uint buf = 0;
   for (uint k0 = k_begin; k0 < k_end; k0 += kGemmTileK) {
     if (k0 + kGemmTileK < k_end)
-      marlin_load_x_tile<T, TM>(x_tiles + (buf ^ 1) * XS, x, m0, k0 + kGemmTileK, M, K, k_end, tid);
+      marlin_load_x_rows<T, TM>(x_tiles + (buf ^ 1) * XS, x, rows, k0 + kGemmTileK, K, k_end, tid);
     const threadgroup T* a = x_tiles + buf * XS;
     // A stage lies in one group (the smallest group, 16 K, is one stage: marlin_common.h).
     MarlinParams params[2];
@@ -88,7 +86,21 @@ template <typename T, WeightFormat F, int TM>
   }
 
   // acc[j][i] is a fragment of C^T: element (r, c) is y[m0 + 8 i + c, nb + 8 j + r].
-  const MarlinOutput<T> out{y, partial, bias, M, N, tgid.z};
   for (int j = 0; j < 2; ++j)
     for (int i = 0; i < MF; ++i) marlin_store_fragment(out, acc[j][i], l, nb + 8 * j, m0 + 8 * i, true);
+}
+
+template <typename T, WeightFormat F, int TM>
+[[kernel]] void marlin_gemm_fused(MARLIN_GEMM_BUFFERS(T),
+                                  threadgroup T* x_tiles [[threadgroup(0)]],
+                                  uint3 tgid [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]]) {
+  const uint m0 = tgid.y * TM;
+  const uint r_begin = tgid.z * split_rows, r_end = min(K / 8, r_begin + split_rows);
+  const MarlinDenseRows rows{m0, M};
+  const MarlinOutput<T> out{y, partial, bias, M, N, tgid.z};
+  marlin_gemm_fused_tile<T, F, TM>(x, rows, packed, scales, zeros, N, K, tgid.x, r_begin, r_end, out, m0,
+                                   x_tiles, tid, sg, lane);
 }

@@ -79,20 +79,18 @@ inline void marlin_gemv_x8(const device T* x, thread float4& lo, thread float4& 
   }
 }
 
-template <typename T, WeightFormat F>
-[[kernel]] void marlin_gemv(MARLIN_GEMM_BUFFERS(T),
-                            threadgroup float* sums [[threadgroup(0)]],
-                            uint3 tgid [[threadgroup_position_in_grid]],
-                            uint tid [[thread_index_in_threadgroup]],
-                            uint sg [[simdgroup_index_in_threadgroup]],
-                            uint nsg [[simdgroups_per_threadgroup]],
-                            uint lane [[thread_index_in_simdgroup]]) {
+// The kGemvColumns columns of block n_block over packed rows [r_begin, r_end)
+// for the marlin_rows rows of x; output (m, n) goes to out.store(m, n, v)
+// (MarlinOutput, or the routed expert GEMV's fp32 row, metal/moe.metal).
+template <typename T, WeightFormat F, typename Out>
+inline void marlin_gemv_columns(const device T* x, const device uint* packed, const device half* scales,
+                                const device half* zeros, uint N, uint K, uint n_block, uint r_begin,
+                                uint r_end, thread const Out& out, threadgroup float* sums, uint tid, uint sg,
+                                uint nsg, uint lane) {
   constexpr uint R = kGemvMaxRows, U = kGemvLaneRows;
   const uint rows = marlin_rows;
   const uint cl = lane % 8, kl = lane / 8;
-  const uint n0 = tgid.x * kGemvColumns + 4 * cl;
-  const uint KR = K / 8;
-  const uint r_begin = tgid.y * split_rows, r_end = min(KR, r_begin + split_rows);
+  const uint n0 = n_block * kGemvColumns + 4 * cl;
   // Rows after which the raw sums are scaled: the end of every run, or of every
   // group inside a run; never for one group over all of K (scaled at the end).
   const uint flush_every = marlin_group_rows == 0 ? 0u : min(marlin_group_rows, U);
@@ -167,11 +165,24 @@ template <typename T, WeightFormat F>
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const MarlinOutput<T> out{y, partial, bias, M, N, tgid.y};
   for (uint i = tid; i < rows * kGemvColumns; i += nsg * kSimdWidth) {
     const uint m = i / kGemvColumns, col = i % kGemvColumns;
     float v = 0.0f;
     for (uint g = 0; g < nsg; ++g) v += sums[(g * rows + m) * kGemvColumns + col];
-    out.store(m, tgid.x * kGemvColumns + col, v);
+    out.store(m, n_block * kGemvColumns + col, v);
   }
+}
+
+template <typename T, WeightFormat F>
+[[kernel]] void marlin_gemv(MARLIN_GEMM_BUFFERS(T),
+                            threadgroup float* sums [[threadgroup(0)]],
+                            uint3 tgid [[threadgroup_position_in_grid]],
+                            uint tid [[thread_index_in_threadgroup]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint nsg [[simdgroups_per_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]]) {
+  const uint r_begin = tgid.y * split_rows, r_end = min(K / 8, r_begin + split_rows);
+  const MarlinOutput<T> out{y, partial, bias, M, N, tgid.y};
+  marlin_gemv_columns<T, F>(x, packed, scales, zeros, N, K, tgid.x, r_begin, r_end, out, sums, tid, sg, nsg,
+                            lane);
 }

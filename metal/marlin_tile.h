@@ -60,8 +60,9 @@ inline uint marlin_fragment_k(uint c) { return (c >> 1) + 4 * (c & 1); }
 // Stores this lane's two elements of an fp32 accumulator fragment whose
 // element (r, c) is output (row0 + r, col0 + c), or with `transposed` output
 // (col0 + c, row0 + r) (a fragment of C^T).
-template <typename T>
-inline void marlin_store_fragment(const thread MarlinOutput<T>& out, thread simdgroup_matrix<float, 8, 8>& acc,
+// `out` is a MarlinOutput or any type with the same store(m, n, v).
+template <typename Out>
+inline void marlin_store_fragment(const thread Out& out, thread simdgroup_matrix<float, 8, 8>& acc,
                                   MarlinLane l, uint row0, uint col0, bool transposed) {
   for (uint e = 0; e < 2; ++e) {
     const float v = acc.thread_elements()[e];
@@ -79,22 +80,32 @@ inline void marlin_set_elements(thread simdgroup_matrix<float, 8, 8>& m, float2 
   m.thread_elements()[1] = v.y;
 }
 
-// Cooperative load (kGemmThreads threads) of x[m0 .. m0 + TM, k0 .. k0 + kGemmTileK]
-// into a threadgroup tile with row stride x_tile_stride(sizeof(T)), zero past M
-// and past k_end. k0 and k_end are multiples of 8 (whole packed rows), so a
-// 4-element chunk is entirely inside or outside [k0, k_end); with
-// marlin_aligned every chunk is one vector load.
-template <typename T, int TM>
-inline void marlin_load_x_tile(threadgroup T* dst, const device T* x, uint m0, uint k0, uint M, uint K,
+// Which x row each row of a tile reads. Dense: rows m0, m0 + 1, ... below M.
+// The routed expert GEMM (metal/moe.metal) gathers its rows through a list of
+// (token, expert) pairs instead.
+struct MarlinDenseRows {
+  uint m0, M;
+  bool has(uint row) const { return m0 + row < M; }
+  ulong x_row(uint row) const { return m0 + row; }
+};
+
+// Cooperative load (kGemmThreads threads) of x[rows.x_row(row), k0 .. k0 + kGemmTileK]
+// for every tile row into a threadgroup tile with row stride
+// x_tile_stride(sizeof(T)), zero for rows without a source and past k_end. k0
+// and k_end are multiples of 8 (whole packed rows), so a 4-element chunk is
+// entirely inside or outside [k0, k_end); with marlin_aligned every chunk is
+// one vector load.
+template <typename T, int TM, typename Rows>
+inline void marlin_load_x_rows(threadgroup T* dst, const device T* x, thread const Rows& rows, uint k0, uint K,
                                uint k_end, uint tid) {
   constexpr uint S = x_tile_stride(sizeof(T));
   constexpr uint kChunks = kGemmTileK / 4;  // per row
   for (uint e = tid; e < uint(TM) * kChunks; e += kGemmThreads) {
     const uint row = e / kChunks, col = 4 * (e % kChunks);
-    const uint m = m0 + row, k = k0 + col;
+    const uint k = k0 + col;
     vec<T, 4> v = vec<T, 4>(T(0.0f));
-    if (m < M && k < k_end) {
-      const device T* src = x + ulong(m) * K + k;
+    if (rows.has(row) && k < k_end) {
+      const device T* src = x + rows.x_row(row) * K + k;
       if (marlin_aligned)
         v = *(const device vec<T, 4>*)src;
       else
@@ -102,4 +113,12 @@ inline void marlin_load_x_tile(threadgroup T* dst, const device T* x, uint m0, u
     }
     *(threadgroup vec<T, 4>*)(dst + row * S + col) = v;
   }
+}
+
+// The dense tile: x rows m0 .. m0 + TM, zero past M.
+template <typename T, int TM>
+inline void marlin_load_x_tile(threadgroup T* dst, const device T* x, uint m0, uint k0, uint M, uint K,
+                               uint k_end, uint tid) {
+  const MarlinDenseRows rows{m0, M};
+  marlin_load_x_rows<T, TM>(dst, x, rows, k0, K, k_end, tid);
 }

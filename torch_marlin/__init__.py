@@ -3,6 +3,8 @@
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
 from .formats import E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference, pack_codes, unpack_codes
 from .linear import MarlinLinear, quantized_linear
+from .experts import MarlinExperts, MarlinExpertsLinear, quantize_experts
+from .layouts import QuantizedExperts
 from .model import QuantizationReport, quantize_model
 from .quantize import QuantizedWeight, pack_fp4_weights, quantize_weight, register_quantizer
 from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
@@ -13,7 +15,7 @@ __version__ = "0.1.0"
 enable_transformers_integration()
 
 __all__ = [
-    "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinLinear", "QuantizationReport",
-    "QuantizedWeight", "dequantize_reference", "enable_transformers_integration", "from_pretrained", "pack_codes", "pack_fp4_weights",
-    "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
+    "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts", "MarlinExpertsLinear",
+    "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight", "dequantize_reference", "enable_transformers_integration", "from_pretrained", "pack_codes", "pack_fp4_weights",
+    "quantize_experts", "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
 ]

@@ -30,7 +30,91 @@ def linear_weight(weight: torch.Tensor, conv1d: bool = False) -> torch.Tensor:
     return weight.t() if conv1d else weight
 
 
-class MarlinLinear(nn.Module):
+class QuantizedModule(nn.Module):
+    """Base of the modules holding one quantized weight of a layout class: its buffers
+    are the layout's tensors, `quantized_weight()` gives the layout object, `.half()` and
+    `.to(dtype)` leave fp16 metadata alone, and the state_dict carries the layout
+    descriptor (`_extra_state`) so that loading another layout, format, group size or
+    shape is refused instead of computing garbage."""
+
+    layout: Type[QuantizedLayout]
+
+    def _init_weight(self, layout: Type[QuantizedLayout], in_features: int, out_features: int,
+                     weight_format: str, group_size: int, device=None, **shape) -> None:
+        formats.check_weight_format(weight_format)
+        formats.check_group_size(group_size)
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
+            raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.weight_format, self.group_size = weight_format, group_size
+        self.layout = layout
+        empty = layout.empty(in_features, out_features, weight_format, group_size, device=device, **shape)
+        for name in layout.TENSORS:
+            self.register_buffer(name, getattr(empty, name))
+
+    def _copy_weight(self, qweight: QuantizedLayout) -> None:
+        for name, tensor in qweight.tensors().items():
+            self._buffers[name].copy_(tensor)
+
+    def quantized_weight(self) -> QuantizedLayout:
+        """The weight as its layout object, sharing this module's buffers."""
+        return self.layout(**{name: self._buffers[name] for name in self.layout.TENSORS},
+                           weight_format=self.weight_format, group_size=self.group_size,
+                           in_features=self.in_features, out_features=self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight W [..., out_features, in_features] as a dense tensor (computed in fp32,
+        on the module's device, by the layout's dequantize op)."""
+        return self.quantized_weight().weight(dtype)
+
+    def _apply(self, fn, recurse=True):
+        # .half()/.to(dtype) must not touch fp16 scales/zeros: apply fn to an
+        # int16 view (device moves still happen, dtype casts skip integers).
+        fp16 = [name for name in self.layout.FP16_TENSORS if self._buffers.get(name) is not None]
+        for name in fp16:
+            self._buffers[name] = self._buffers[name].view(torch.int16)
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            for name in fp16:
+                self._buffers[name] = self._buffers[name].view(torch.float16)
+
+    # state_dict carries the layout next to the tensors, because fp4 and int4
+    # weights of the same shape are otherwise indistinguishable: loading one
+    # into the other must fail, not compute garbage.
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The layout descriptor [layout code, format number, group_size, in_features, ...]
+        (int64, docs/FORMAT.md)."""
+        return torch.tensor(self.quantized_weight().descriptor(), dtype=torch.int64)
+
+    def set_extra_state(self, state) -> None:
+        cls = type(self).__name__
+        mine = self.quantized_weight().descriptor()
+        if not (isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() >= 4
+                and not state.dtype.is_floating_point):
+            raise ValueError(f"{cls} state_dict '_extra_state' must be the layout descriptor "
+                             f"[layout, format, group_size, in_features, ...], got {state!r}")
+        saved = [int(v) for v in state.tolist()]
+        if saved == mine:
+            return
+        if layout_by_code(saved[0]) is None or not 0 <= saved[1] < len(formats.WEIGHT_FORMATS):
+            raise ValueError(f"{cls} state_dict has layout {saved[0]} / format number {saved[1]}, which this "
+                             f"torch_marlin does not know (it reads layouts {known_layout_codes()})")
+        raise ValueError(f"state_dict was saved from {cls}({self.layout.describe_descriptor(saved)}); "
+                         f"this module has {self.layout.describe_descriptor(mine)}: build it with the saved values")
+
+    def _weight_repr(self) -> str:
+        q = self.quantized_weight()
+        bits = q.nbytes * 8 / (q.packed.numel() // q.packed.shape[-2] * q.in_features)
+        return (f"weight_format={self.weight_format}, group_size={self.group_size}, "
+                f"bits_per_weight={bits:.2f}")
+
+
+class MarlinLinear(QuantizedModule):
     """y = x @ W^T + b with W stored as packed 4-bit codes plus group scales.
 
     Input dtype (float16, bfloat16 or float32) selects the compute dtype.
@@ -46,19 +130,7 @@ class MarlinLinear(nn.Module):
                  weight_format: str = "fp4", group_size: int = 128,
                  device=None, dtype=None, layout: Type[QuantizedLayout] = QuantizedWeight) -> None:
         super().__init__()
-        formats.check_weight_format(weight_format)
-        formats.check_group_size(group_size)
-        for name, value in (("in_features", in_features), ("out_features", out_features)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
-            raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
-        self.in_features, self.out_features = in_features, out_features
-        self.weight_format, self.group_size = weight_format, group_size
-        self.layout = layout
-        empty = layout.empty(in_features, out_features, weight_format, group_size, device=device)
-        for name in layout.TENSORS:
-            self.register_buffer(name, getattr(empty, name))
+        self._init_weight(layout, in_features, out_features, weight_format, group_size, device=device)
         b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
         self.register_buffer("bias", b)
 
@@ -73,8 +145,7 @@ class MarlinLinear(nn.Module):
         module = cls(qweight.in_features, qweight.out_features, bias is not None,
                      qweight.weight_format, qweight.group_size, device=device,
                      dtype=None if bias is None else bias.dtype, layout=type(qweight))
-        for name, tensor in tensors.items():
-            module._buffers[name].copy_(tensor)
+        module._copy_weight(qweight)
         if bias is not None:
             module.bias.copy_(bias.detach())
         return module
@@ -107,62 +178,13 @@ class MarlinLinear(nn.Module):
         module.quantization_error = qweight.relative_error
         return module.to(linear.weight.device)
 
-    def quantized_weight(self) -> QuantizedLayout:
-        """The weight as its layout object, sharing this module's buffers."""
-        return self.layout(**{name: self._buffers[name] for name in self.layout.TENSORS},
-                           weight_format=self.weight_format, group_size=self.group_size,
-                           in_features=self.in_features, out_features=self.out_features)
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight W [out_features, in_features] as a dense tensor (computed in fp32, on
-        the module's device, by the layout's dequantize op)."""
-        return self.quantized_weight().weight(dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return quantized_linear(x, self.quantized_weight(), self.bias)
 
-    def _apply(self, fn, recurse=True):
-        # .half()/.to(dtype) must not touch fp16 scales/zeros: apply fn to an
-        # int16 view (device moves still happen, dtype casts skip integers).
-        fp16 = [name for name in self.layout.FP16_TENSORS if self._buffers.get(name) is not None]
-        for name in fp16:
-            self._buffers[name] = self._buffers[name].view(torch.int16)
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            for name in fp16:
-                self._buffers[name] = self._buffers[name].view(torch.float16)
-
-    # state_dict carries the layout next to the tensors, because fp4 and int4
-    # weights of the same shape are otherwise indistinguishable: loading one
-    # into the other must fail, not compute garbage.
-
-    def get_extra_state(self) -> torch.Tensor:
-        """The layout descriptor [layout code, format number, group_size, in_features, ...]
-        (int64, docs/FORMAT.md)."""
-        return torch.tensor(self.quantized_weight().descriptor(), dtype=torch.int64)
-
-    def set_extra_state(self, state) -> None:
-        mine = self.quantized_weight().descriptor()
-        if not (isinstance(state, torch.Tensor) and state.dim() == 1 and state.numel() >= 4
-                and not state.dtype.is_floating_point):
-            raise ValueError(f"MarlinLinear state_dict '_extra_state' must be the layout descriptor "
-                             f"[layout, format, group_size, in_features, ...], got {state!r}")
-        saved = [int(v) for v in state.tolist()]
-        if saved == mine:
-            return
-        if layout_by_code(saved[0]) is None or not 0 <= saved[1] < len(formats.WEIGHT_FORMATS):
-            raise ValueError(f"MarlinLinear state_dict has layout {saved[0]} / format number {saved[1]}, which this "
-                             f"torch_marlin does not know (it reads layouts {known_layout_codes()})")
-        raise ValueError(f"state_dict was saved from MarlinLinear({self.layout.describe_descriptor(saved)}); "
-                         f"this module has {self.layout.describe_descriptor(mine)}: build it with the saved values")
-
     def extra_repr(self) -> str:
-        bits = self.quantized_weight().nbytes * 8 / (self.in_features * self.out_features)
         layout = "" if self.layout is QuantizedWeight else f", layout={self.layout.LAYOUT}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight_format={self.weight_format}, "
-                f"group_size={self.group_size}{layout}, bits_per_weight={bits:.2f}")
+                f"bias={self.bias is not None}, {self._weight_repr()}{layout}")
 
 
 class PermutedInputMarlinLinear(MarlinLinear):

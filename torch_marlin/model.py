@@ -1,4 +1,5 @@
-"""quantize_model: swap a model's linear layers for MarlinLinear in place."""
+"""quantize_model: swap a model's linear layers for MarlinLinear, and its
+transformers experts modules for MarlinExperts, in place."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
+from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
 
 Patterns = Union[str, Iterable[str], None]
@@ -20,6 +22,9 @@ class QuantizationReport:
     bytes_before: int = 0  # float weight + bias bytes of the replaced layers
     bytes_after: int = 0  # packed + scales (+ zeros) + bias bytes of the same layers
     relative_errors: Dict[str, float] = field(default_factory=dict)
+    experts_replaced: List[str] = field(default_factory=list)  # experts modules now MarlinExperts
+    experts_skipped: List[str] = field(default_factory=list)  # experts modules left in float (excluded)
+    experts_unsupported: Dict[str, str] = field(default_factory=dict)  # left in float: why
     # method="gptq": relative output error on the calibration data, (round to nearest, GPTQ)
     output_errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
@@ -38,7 +43,11 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         mib = 1 / 2 ** 20
-        text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float): "
+        experts = ""
+        if self.experts_replaced or self.experts_skipped or self.experts_unsupported:
+            left = len(self.experts_skipped) + len(self.experts_unsupported)
+            experts = f" and {len(self.experts_replaced)} experts modules ({left} left in float)"
+        text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float){experts}: "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
         if self.output_errors:
             lines = [text, f"GPTQ on {self.calibration_batches} calibration batches in {self.seconds:.1f} s; "
@@ -81,14 +90,19 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
                    **gptq_options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
-    as a suffix; default all) and none of `exclude` with a MarlinLinear.
+    as a suffix; default all) and none of `exclude` with a MarlinLinear, and
+    every transformers experts module (3-D expert weight stacks) whose name
+    matches them with a MarlinExperts. Experts classes MarlinExperts cannot
+    stand in for stay in float, with a warning naming them.
     Returns a QuantizationReport (what was replaced, memory before/after).
 
-    method="gptq" quantizes the layers one after another in forward order with
+    method="gptq" quantizes the linear layers one after another in forward order with
     GPTQ on the inputs they receive from `calibration` (an iterable of model
     inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
     model(**d)); options act_order / damp / block_size / refine_rounds are
-    described in torch_marlin.gptq and torch_marlin.calibration."""
+    described in torch_marlin.gptq and torch_marlin.calibration. Expert stacks
+    are then quantized without calibration (method "mse"): GPTQ for experts is
+    not implemented."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
@@ -107,6 +121,7 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
 
         quantize_model_gptq(model, {name: model.get_submodule(name) for name in targets}, report,
                             weight_format, group_size, calibration, **gptq_options)
+        _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
         return report
     if calibration is not None or gptq_options:
         raise ValueError(f"calibration/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
@@ -119,4 +134,29 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             raise ValueError(f"{name}: {e}") from e
         model.set_submodule(name, quantized)
         report.record(name, linear, quantized)
+    _quantize_experts(model, weight_format, group_size, include_p, exclude_p, method, report)
     return report
+
+
+def _quantize_experts(model: nn.Module, weight_format: str, group_size: int, include_p: Optional[List[str]],
+                      exclude_p: List[str], method: str, report: QuantizationReport) -> None:
+    supported, unsupported = find_experts_modules(model)
+    for name, structure in supported.items():
+        if not (include_p is None or matches_any(name, include_p)) or matches_any(name, exclude_p):
+            report.experts_skipped.append(name)
+            continue
+        source = model.get_submodule(name)
+        try:
+            quantized = MarlinExperts.from_float(source, weight_format, group_size, method)
+        except UnsupportedExperts as e:
+            unsupported[name] = str(e)
+            continue
+        except ValueError as e:  # name the module
+            raise ValueError(f"{name}: {e}") from e
+        report.bytes_before += _nbytes(source)
+        report.bytes_after += sum(_nbytes(stack) for stack in quantized.stacks().values())
+        report.relative_errors[name] = quantized.quantization_error
+        model.set_submodule(name, quantized)
+        report.experts_replaced.append(name)
+    report.experts_unsupported.update(unsupported)
+    warn_unsupported(model, unsupported, stacklevel=4)

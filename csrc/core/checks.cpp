@@ -5,11 +5,17 @@
 namespace marlin {
 namespace {
 
+// Shapes in messages: "[E, " prefix for expert stacks.
+const char* lead(bool stacked) { return stacked ? "[E, " : "["; }
+
 void check_group_tensor(const at::Tensor& t, const char* name, const at::Tensor& packed,
-                        int64_t groups, int64_t n) {
+                        const QuantizedShape& s, bool stacked) {
   TORCH_CHECK(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == groups && t.size(1) == n, name,
-              " must have shape [K/group_size, N] = [", groups, ", ", n, "], got ", t.sizes());
+  const bool shape_ok = stacked ? t.dim() == 3 && t.size(0) == s.experts && t.size(1) == s.groups && t.size(2) == s.n
+                                : t.dim() == 2 && t.size(0) == s.groups && t.size(1) == s.n;
+  TORCH_CHECK(shape_ok, name, " must have shape ", lead(stacked), "K/group_size, N] = [",
+              stacked ? std::to_string(s.experts) + ", " : std::string(), s.groups, ", ", s.n, "], got ",
+              t.sizes());
   TORCH_CHECK(t.device() == packed.device(), name, " must be on the same device as packed (",
               packed.device(), "), got ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
@@ -19,29 +25,32 @@ void check_group_tensor(const at::Tensor& t, const char* name, const at::Tensor&
 
 QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scales,
                                const c10::optional<at::Tensor>& zeros,
-                               const std::string& weight_format, int64_t group_size) {
+                               const std::string& weight_format, int64_t group_size, bool stacked) {
   QuantizedShape s{};
   s.format = parse_weight_format(weight_format);
   check_group_size(group_size);
   TORCH_CHECK(packed.scalar_type() == at::kInt, "packed must be int32, got ", packed.scalar_type());
-  TORCH_CHECK(packed.dim() == 2, "packed must be 2-D [K/8, N], got shape ", packed.sizes());
+  const int64_t dims = stacked ? 3 : 2;
+  TORCH_CHECK(packed.dim() == dims, "packed must be ", dims, "-D ", lead(stacked), "K/8, N], got shape ",
+              packed.sizes());
   TORCH_CHECK(packed.is_contiguous(), "packed must be contiguous");
-  s.k = packed.size(0) * kPackFactor;
-  s.n = packed.size(1);
-  TORCH_CHECK(s.k > 0 && s.n > 0, "packed must not be empty, got shape ", packed.sizes());
+  s.experts = stacked ? packed.size(0) : 1;
+  s.k = packed.size(dims - 2) * kPackFactor;
+  s.n = packed.size(dims - 1);
+  TORCH_CHECK(s.experts > 0 && s.k > 0 && s.n > 0, "packed must not be empty, got shape ", packed.sizes());
   if (group_size == -1) {
     s.groups = 1;
     s.group_rows = s.k;
   } else {
-    TORCH_CHECK_VALUE(s.k % group_size == 0, "K = 8 * packed.size(0) = ", s.k,
+    TORCH_CHECK_VALUE(s.k % group_size == 0, "K = 8 * packed.size(", dims - 2, ") = ", s.k,
                       " must be a multiple of group_size = ", group_size);
     s.groups = s.k / group_size;
     s.group_rows = group_size;
   }
-  check_group_tensor(scales, "scales", packed, s.groups, s.n);
+  check_group_tensor(scales, "scales", packed, s, stacked);
   if (has_zeros(s.format)) {
     TORCH_CHECK_VALUE(zeros.has_value(), "zeros is required for weight_format='", weight_format, "'");
-    check_group_tensor(*zeros, "zeros", packed, s.groups, s.n);
+    check_group_tensor(*zeros, "zeros", packed, s, stacked);
   } else {
     TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='", weight_format,
                       "'");

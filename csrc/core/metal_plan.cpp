@@ -9,6 +9,18 @@
 namespace marlin {
 namespace metal {
 
+uint32_t group_rows_constant(int64_t group_size) {
+  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
+}
+
+static bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
+
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n) {
+  return n % 4 == 0 && aligned16(x) && aligned16(packed) && aligned16(scales) &&
+         (!zeros.has_value() || aligned16(*zeros));
+}
+
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 const char* dtype_name(at::ScalarType t) {

@@ -80,10 +80,26 @@ struct Plan {
   std::string details;                 // JSON object members describing the problem (tests, benchmarks)
 };
 
+inline Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
+inline Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
+inline Binding workspace(int index, int slot = 0) { return {index, Source::kWorkspace, slot, 0}; }
+uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
+inline Binding scalar(int index, int64_t value, const char* what) {
+  return {index, Source::kScalar, 0, u32(value, what)};
+}
+
+// marlin_group_rows: packed rows per group, 0 for one group over all of K.
+uint32_t group_rows_constant(int64_t group_size);
+// marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
+// be read as 16-byte vectors (an expert's slice of a stack too: its offset is
+// a multiple of N words or halves). Metal requires a bound buffer's offset to
+// be aligned to what the kernel reads; PyTorch tensors may start anywhere.
+bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                  const c10::optional<at::Tensor>& zeros, int64_t n);
+
 int64_t ceil_div(int64_t a, int64_t b);
 const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name suffixes
 int64_t dtype_size(at::ScalarType t);
-uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
 void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)
 
 // The threadgroup to dispatch `launch` with on a pipeline that allows at most

@@ -30,11 +30,6 @@ constexpr int64_t kGemvMinSplitRows = int64_t(kGemvSimdgroups) * kGemvBlockRows;
 enum GemmArg { kGemmX = 0, kGemmPacked, kGemmScales, kGemmZeros, kGemmBias };
 enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };
 
-Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
-Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
-Binding workspace(int index) { return {index, Source::kWorkspace, 0, 0}; }
-Binding scalar(int index, int64_t value, const char* what) { return {index, Source::kScalar, 0, u32(value, what)}; }
-
 // Fused dequant-in-registers GEMM (metal/marlin_gemm_fused.h): M-tile rows.
 int64_t fused_tile_m(int64_t m) { return m <= 32 ? 32 : 64; }
 
@@ -47,22 +42,6 @@ std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, 
   if (tiles < target) splits = std::max<int64_t>(1, std::min({ceil_div(target, tiles), kr / min_rows, kSplitMax}));
   const int64_t rows = ceil_div(ceil_div(kr, splits), unit_rows) * unit_rows;
   return {ceil_div(kr, rows), rows};
-}
-
-// marlin_group_rows: packed rows per group, 0 for one group over all of K.
-uint32_t group_rows_constant(int64_t group_size) {
-  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
-}
-
-bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
-
-// marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
-// be read as 16-byte vectors. Metal requires a bound buffer's offset to be
-// aligned to what the kernel reads; PyTorch tensors may start anywhere.
-bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                  const c10::optional<at::Tensor>& zeros, int64_t n) {
-  return n % 4 == 0 && aligned16(x) && aligned16(packed) && aligned16(scales) &&
-         (!zeros.has_value() || aligned16(*zeros));
 }
 
 std::string details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,

@@ -7,12 +7,11 @@
 #include <memory>
 #include <string>
 
-#include "core/checks.h"
 #include "cpu/kernel_builds.h"
+#include "cpu/ops.h"
 
 namespace marlin {
 namespace cpu {
-namespace {
 
 // The kernel build for this CPU (kernel_builds.h), chosen once;
 // TORCH_MARLIN_CPU_KERNELS=<build> forces one (the tests check every build).
@@ -39,6 +38,8 @@ GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales,
   a.format = static_cast<int>(s.format);
   return a;
 }
+
+namespace {
 
 at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                     const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,

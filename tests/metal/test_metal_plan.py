@@ -173,7 +173,7 @@ def test_function_constants_match_the_shared_list():
     # metal/marlin_common.h lists the function constants once; every library
     # declares exactly those, and every plan sets them by index with their type.
     shared = torch_marlin._C.SHARED_CONSTANTS["FUNCTION_CONSTANTS"]
-    for src in ("dequant", "gemv", "gemm_fused", "gemm_tiled", "reduce"):
+    for src in ("dequant", "gemv", "gemm_fused", "gemm_tiled", "reduce", "moe"):
         assert library(src).function_constants() == {name: index for name, (index, _) in shared.items()}
     types = {index: typ for index, typ in shared.values()}
     for m in (1, 5, 16, 100):

@@ -4,7 +4,9 @@
      "weight_format": "fp4", "group_size": 128,          # most common, for display
      "modules": {"model.layers.0.self_attn.q_proj":      # every quantized layer
                  {"weight_format": "fp4", "group_size": 128,
-                  "in_features": 64, "out_features": 64, "act_order": true?}},
+                  "in_features": 64, "out_features": 64, "act_order": true?},
+                 "model.layers.0.mlp.experts.gate_up_proj":  # every quantized expert stack
+                 {"layout": "experts", "num_experts": 128, "weight_format": "fp4", ...}},
      "modules_to_not_convert": ["lm_head", ...],         # linear layers left in float
      "source": {"method": "float" | "gptq" | ..., ...}}
 
@@ -22,6 +24,7 @@ from .errors import CheckpointError
 
 QUANT_METHOD = "torch_marlin"
 FORMAT_VERSION = 1
+LAYOUTS = ("dense", "experts")  # a module entry's "layout" (absent: dense)
 
 
 def build_quantization_config(importer, modules: Dict[str, dict], layers_in_float: List[str]) -> dict:
@@ -53,8 +56,11 @@ def validate_quantization_config(qc: dict) -> Dict[str, dict]:
         try:
             formats.check_weight_format(entry["weight_format"])
             formats.check_group_size(entry["group_size"])
-            for key in ("in_features", "out_features"):
-                if not isinstance(entry[key], int) or entry[key] <= 0:
+            layout = entry.get("layout", "dense")
+            if layout not in LAYOUTS:
+                raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+            for key in ("in_features", "out_features") + (("num_experts",) if layout == "experts" else ()):
+                if isinstance(entry[key], bool) or not isinstance(entry[key], int) or entry[key] <= 0:
                     raise ValueError(f"{key} must be a positive int, got {entry[key]!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"quantization_config.modules[{name!r}] is invalid: {e}") from e

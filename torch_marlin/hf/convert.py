@@ -23,13 +23,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import formats
-from ..quantize import quantizer_names
+from ..layouts import QuantizedExperts
+from ..quantize import QuantizedWeight, quantizer_names
 from .checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
 from .config import build_quantization_config
-from .errors import CheckpointError
+from .errors import CheckpointError, UnsupportedQuantization
 from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
-from .layout import describe_model
+from .layout import describe_model, expert_parts
 from .modules import layout_state
 from .safetensors_io import ShardedWriter
 
@@ -40,7 +41,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 @dataclass
 class ConversionSummary:
     source_method: str
-    layers_converted: int = 0
+    layers_converted: int = 0  # linear layers
+    stacks_converted: int = 0  # expert stacks (each E experts' weights of one projection)
     layers_in_float: List[str] = field(default_factory=list)
     bytes_before: int = 0  # all source tensors
     bytes_after: int = 0  # all written tensors
@@ -59,7 +61,9 @@ class ConversionSummary:
     def __str__(self) -> str:
         mib = 2.0 ** -20
         lines = [
-            f"converted {self.layers_converted} linear layers from {self.source_method} "
+            f"converted {self.layers_converted} linear layers"
+            + (f" and {self.stacks_converted} expert stacks" if self.stacks_converted else "")
+            + f" from {self.source_method} "
             f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))}); "
             f"{len(self.layers_in_float)} left in float",
             f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
@@ -175,6 +179,12 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
     modules: Dict[str, dict] = {}
     owner = {key: module for module, plan in plans.items() for key in plan.keys}
     biases = {plan.bias_key: module for module, plan in plans.items() if plan.bias_key}
+    # Per-expert linear layers that form one stack are converted and written together.
+    parts = expert_parts(layout, plans) if layout.exact else {}
+    members: Dict[str, List[str]] = {}
+    for module, part in parts.items():
+        members.setdefault(part.stack, []).append(module)
+    done = set()
     errors = []
     keys = source.keys()
     bar = _progress_bar(len(keys), progress)
@@ -189,43 +199,107 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
                 tensor = tensor.to(dtype)
             writer.add(key, tensor)
             continue
-        if module in modules:
+        name = parts[module].stack if module in parts else module
+        if name in done:
             continue
-        bar.set_postfix_str(module[-40:], refresh=False)
-        layer = importer.convert(module, plans[module])
-        _check_against_layout(module, layer, layout)
+        done.add(name)
+        bar.set_postfix_str(name[-40:], refresh=False)
+        if module in parts:
+            layer = _stack_parts(importer, plans, members[name], parts, layout.stacks[name], source)
+        else:
+            layer = importer.convert(module, plans[module])
+        _check_against_layout(name, layer, layout)
         q = layer.qweight
-        modules[module] = {"weight_format": q.weight_format, "group_size": q.group_size,
-                           "in_features": q.in_features, "out_features": q.out_features}
+        modules[name] = {"weight_format": q.weight_format, "group_size": q.group_size,
+                         "in_features": q.in_features, "out_features": q.out_features}
+        if isinstance(q, QuantizedExperts):
+            modules[name].update(layout="experts", num_experts=q.num_experts)
         if layer.input_perm is not None:
-            modules[module]["act_order"] = True
-        _write_layer(module, layer, modules[module], plans[module].bias_key, source, writer, dtype)
-        summary.layers_converted += 1
-        summary.quantized_params += q.in_features * q.out_features
+            modules[name]["act_order"] = True
+        _write_layer(name, layer, modules[name], None if module in parts else plans[module].bias_key, source,
+                     writer, dtype)
+        if isinstance(q, QuantizedExperts):
+            summary.stacks_converted += 1
+        else:
+            summary.layers_converted += 1
+        summary.quantized_params += q.packed.numel() // q.packed.shape[-2] * q.in_features
         summary.quantized_bytes += q.nbytes
         tag = f"{q.weight_format}/g{q.group_size}"
         summary.formats[tag] = summary.formats.get(tag, 0) + 1
         if isinstance(importer, FloatSource):
             errors.append(q.relative_error)
     bar.close()
-    missing = sorted(set(plans) - set(modules))
+    missing = sorted({parts[m].stack if m in parts else m for m in plans} - set(modules))
     if missing:
         raise CheckpointError(f"layers without their tensors: {missing[:5]}")
     converted = [layout.resolve(m, layout.linears) or m for m in modules]
     summary.layers_in_float = importer.layers_in_float(list(layout.linears), converted)
+    for experts, reason in layout.experts_unsupported.items():
+        importer.note(f"{experts} stays in float: {reason}")
     if errors:
         summary.mean_relative_error = sum(errors) / len(errors)
     return summary, modules
 
 
+def _stack_parts(importer: Importer, plans, members: List[str], parts, spec, source: SourceCheckpoint) -> ConvertedLayer:
+    """Convert the per-expert layers of one stack and assemble it: each expert's parts
+    concatenated along out_features in the conversion mapping's order, the experts stacked."""
+    stack = f"{spec.experts_module}.{spec.param}"
+    positions = parts[members[0]].positions
+    grid = [[None] * positions for _ in range(spec.num_experts)]
+    for module in members:
+        part = parts[module]
+        if part.expert >= spec.num_experts:
+            raise CheckpointError(f"{module}: expert {part.expert}, but {stack} has {spec.num_experts} experts")
+        grid[part.expert][part.position] = module
+    absent = [(e, p) for e in range(spec.num_experts) for p in range(positions) if grid[e][p] is None]
+    if absent:
+        raise CheckpointError(f"{stack}: the checkpoint lacks expert {absent[0][0]}'s part {absent[0][1]} "
+                              f"({len(absent)} parts missing)")
+    experts, biases, errors = [], [], []
+    with_bias = [plans[m].bias_key is not None for row in grid for m in row]
+    if any(with_bias) and not all(with_bias):
+        raise CheckpointError(f"{stack}: some experts' layers have a bias and others do not")
+    for row in grid:
+        layers = [importer.convert(module, plans[module]) for module in row]
+        if any(layer.input_perm is not None for layer in layers):
+            raise UnsupportedQuantization(f"{stack}: act-order (g_idx) experts permute K differently per expert; "
+                                          f"an expert stack needs one input order")
+        experts.append(QuantizedWeight.concat_out([layer.qweight for layer in layers]))
+        errors += [layer.qweight.relative_error for layer in layers]
+        if with_bias[0]:
+            biases.append(torch.cat([source.load(plans[module].bias_key) for module in row]))
+    formats_used = {q.weight_format for q in experts}
+    if formats_used == {"int4", "uint4"}:
+        experts = [q.as_uint4() if q.weight_format == "int4" else q for q in experts]
+    try:
+        stacked = QuantizedExperts.stack(experts)
+    except ValueError as e:
+        raise UnsupportedQuantization(f"{stack}: its experts cannot form one stack: {e}") from e
+    stacked.relative_error = sum(errors) / len(errors)
+    return ConvertedLayer(stacked, bias=torch.stack(biases) if biases else None)
+
+
 def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
     if not layout.exact:
+        return
+    q = layer.qweight
+    if isinstance(q, QuantizedExperts):
+        name = layout.resolve(module, layout.stacks)
+        if name is None:
+            raise CheckpointError(f"{module}: quantized expert stack for a parameter that is not an expert stack of "
+                                  f"{layout.architecture or 'the model'}")
+        spec = layout.stacks[name]
+        if (spec.num_experts, spec.in_features, spec.out_features) != (q.num_experts, q.in_features, q.out_features):
+            raise CheckpointError(f"{module}: tensors give {q.num_experts} experts of in/out features "
+                                  f"{q.in_features}x{q.out_features} but the config describes {spec.num_experts} "
+                                  f"experts of {spec.in_features}x{spec.out_features}")
         return
     name = layout.resolve(module, layout.linears)
     if name is None:
         raise CheckpointError(f"{module}: quantized tensors for a module that is not a linear layer of "
                               f"{layout.architecture or 'the model'}")
-    spec, q = layout.linears[name], layer.qweight
+    spec = layout.linears[name]
     if (spec.in_features, spec.out_features) != (q.in_features, q.out_features):
         raise CheckpointError(f"{module}: tensors give in/out features {q.in_features}x{q.out_features} "
                               f"but the config describes {spec.in_features}x{spec.out_features}")
@@ -233,7 +307,7 @@ def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
 
 def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Optional[str],
                  source: SourceCheckpoint, writer: ShardedWriter, dtype: Optional[torch.dtype]) -> None:
-    """The layer's tensors under MarlinLinear.state_dict() names (docs/FORMAT.md)."""
+    """The layer's tensors under its module's state_dict names (MarlinLinear, MarlinExpertsLinear; docs/FORMAT.md)."""
     q = layer.qweight
     writer.add(f"{module}._extra_state", layout_state(entry))
     writer.add(f"{module}.packed", q.packed)
@@ -242,10 +316,12 @@ def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Opti
         writer.add(f"{module}.zeros", q.zeros)
     if layer.input_perm is not None:
         writer.add(f"{module}.input_perm", layer.input_perm)
-    if bias_key is not None:
-        bias = source.load(bias_key)
-        if tuple(bias.shape) != (q.out_features,):
-            raise CheckpointError(f"{bias_key} has shape {list(bias.shape)}, expected [{q.out_features}]")
+    bias = layer.bias if layer.bias is not None else (None if bias_key is None else source.load(bias_key))
+    if bias is not None:
+        expected = (q.num_experts, q.out_features) if isinstance(q, QuantizedExperts) else (q.out_features,)
+        if tuple(bias.shape) != expected:
+            raise CheckpointError(f"{bias_key or module + '.bias'} has shape {list(bias.shape)}, expected "
+                                  f"{list(expected)}")
         writer.add(f"{module}.bias", bias.to(dtype) if dtype is not None else bias)
 
 

@@ -132,7 +132,7 @@ def _define_classes():
             return model
 
         def _process_model_after_weight_loading(self, model, **kwargs):
-            from .modules import check_loaded, default_skips, quantize_linear_modules
+            from .modules import check_loaded, default_skips, keep_stacks_on_save, quantize_linear_modules
 
             qc = self.quantization_config
             if self.pre_quantized:
@@ -141,6 +141,7 @@ def _define_classes():
             skips = default_skips(model, qc.modules_to_not_convert)
             qc.modules = quantize_linear_modules(model, qc.weight_format, qc.group_size, qc.quantizer, skips)
             qc.modules_to_not_convert = sorted(set(skips))
+            keep_stacks_on_save(model)
             return model
 
         def is_serializable(self, *args, **kwargs):

@@ -1,11 +1,16 @@
-"""Which checkpoint tensors belong to linear layers, found without loading weights.
+"""Which checkpoint tensors belong to linear layers and expert stacks, found without loading weights.
 
 The model is instantiated on the meta device from its config (no memory,
-no weights), and its nn.Linear and transformers Conv1D modules are listed.
+no weights), and its nn.Linear and transformers Conv1D modules and its
+experts modules' 3-D weight stacks (torch_marlin.experts) are listed.
 Checkpoint names are matched to module names allowing for the base-model
 prefix ("model.", "bert.", "transformer.") being present on one side only.
-Without transformers, or for an architecture it does not know, a name-based
-fallback is used and said so.
+Checkpoints that store experts as per-expert linear layers
+(`experts.{i}.gate_proj`, how transformers saves Mixtral, Qwen-MoE, ...) are
+mapped to the stacks through transformers' own conversion mapping of the
+model (which parts are concatenated in which order). Without transformers,
+or for an architecture it does not know, a name-based fallback is used and
+said so.
 """
 
 from __future__ import annotations
@@ -34,9 +39,36 @@ class LinearSpec:
     bias: bool
 
 
+@dataclass(frozen=True)
+class StackSpec:
+    """One 3-D weight stack of an experts module (docs/FORMAT.md, expert-stack layout)."""
+
+    experts_module: str  # model name of the experts module
+    param: str  # its parameter, e.g. "gate_up_proj"
+    num_experts: int
+    in_features: int
+    out_features: int
+    bias: bool  # `<param>_bias` [E, out]
+    transposed: bool  # stored [E, in, out] (the class's is_transposed), else [E, out, in]
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """A per-expert linear layer of a checkpoint that is one slice of a stack: expert
+    `expert`, concatenated along out_features at `position` of `positions`."""
+
+    stack: str  # model name of the stack
+    expert: int
+    position: int
+    positions: int
+
+
 @dataclass
 class ModelLayout:
     linears: Dict[str, LinearSpec] = field(default_factory=dict)  # keyed by model module name
+    stacks: Dict[str, StackSpec] = field(default_factory=dict)  # "<experts module>.<param>" -> spec
+    experts_unsupported: Dict[str, str] = field(default_factory=dict)  # experts modules left in float: why
+    transforms: list = field(default_factory=list)  # transformers' weight conversions of the model
     output_embeddings: Set[str] = field(default_factory=set)  # lm_head-like modules
     tied: Set[str] = field(default_factory=set)  # modules whose weight is shared with another
     prefix: str = ""  # base_model_prefix of the architecture
@@ -89,8 +121,17 @@ def describe_model(directory: str, tensor_shapes: Dict[str, tuple]) -> ModelLayo
 
 
 def layout_of_model(model: nn.Module) -> ModelLayout:
+    from ..experts import find_experts_modules
+
     layout = ModelLayout(prefix=getattr(model, "base_model_prefix", "") or "",
                          architecture=type(model).__name__)
+    experts, layout.experts_unsupported = find_experts_modules(model)
+    for name, structure in experts.items():
+        for param, in_features, out_features in structure.stacks:
+            layout.stacks[f"{name}.{param}"] = StackSpec(name, param, structure.num_experts, in_features,
+                                                         out_features, structure.has_bias, structure.is_transposed)
+    if layout.stacks:
+        layout.transforms = _weight_transforms(model)
     for name, module in model.named_modules():
         if is_conv1d(module):
             layout.linears[name] = LinearSpec("conv1d", module.nx, module.nf, module.bias is not None)
@@ -132,3 +173,55 @@ def float_linear_modules(layout: ModelLayout, keys: List[str]) -> Dict[str, str]
             if model_name is not None:
                 result[module] = model_name
     return result
+
+
+def _weight_transforms(model: nn.Module) -> list:
+    """transformers' checkpoint conversions of the model (renamings, stack merges)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        return list(get_model_conversion_mapping(model))
+    except Exception:  # noqa: BLE001  (an older transformers, a model without mappings)
+        return []
+
+
+def expert_parts(layout: ModelLayout, modules: Iterable[str]) -> Dict[str, ExpertPart]:
+    """{checkpoint module: ExpertPart} for the per-expert linear layers among `modules`
+    that transformers' conversion mapping merges into one of the model's stacks. Only
+    merges this converter can reproduce exactly are used: stacking the experts
+    (MergeModulelist(dim=0)) and concatenating parts along out_features (Concatenate(dim=1))
+    of a stack stored [E, out, in]."""
+    if not layout.stacks or not layout.transforms:
+        return {}
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings
+
+    renamings = [t for t in layout.transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in layout.transforms if isinstance(t, WeightConverter)]
+    parts = {}
+    for module in modules:
+        key = apply_renamings(f"{module}.weight", renamings)
+        for converter in converters:
+            target, pattern = converter.rename_source_key(key)
+            if pattern is None:
+                continue
+            stack = layout.resolve(target, layout.stacks)
+            expert = _expert_index(pattern, key)
+            if stack is not None and expert is not None and _mergeable(converter, layout.stacks[stack]):
+                parts[module] = ExpertPart(stack, expert, converter.source_patterns.index(pattern),
+                                           len(converter.source_patterns))
+            break
+    return parts
+
+
+def _expert_index(pattern: str, key: str) -> Optional[int]:
+    """The number a source pattern's `*` stands for in `key`."""
+    regex = re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)")
+    match = re.search(regex, key)
+    return int(match.group(1)) if match and match.groups() else None
+
+
+def _mergeable(converter, spec: StackSpec) -> bool:
+    ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+    if spec.transposed or not ops or ops[0] != ("MergeModulelist", 0):
+        return False
+    return ops[1:] == [] if len(converter.source_patterns) == 1 else ops[1:] == [("Concatenate", 1)]

@@ -4,5 +4,6 @@ itself with base.register_layout."""
 
 from .base import QuantizedLayout, layout_by_code, register_layout
 from .dense import QuantizedWeight
+from .experts import QuantizedExperts
 
-__all__ = ["QuantizedLayout", "QuantizedWeight", "layout_by_code", "register_layout"]
+__all__ = ["QuantizedExperts", "QuantizedLayout", "QuantizedWeight", "layout_by_code", "register_layout"]

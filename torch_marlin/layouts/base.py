@@ -59,21 +59,24 @@ class QuantizedLayout:
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, weight_format: str, group_size: int,
-              device=None) -> "QuantizedLayout":
-        """A zero-filled weight of this shape (what MarlinLinear registers as buffers)."""
+              device=None, **shape) -> "QuantizedLayout":
+        """A zero-filled weight of this shape (what a module registers as buffers). `shape`
+        holds a layout's further dimensions (the expert stack's num_experts)."""
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [out_features, in_features], computed from the reference formulas in float64."""
+        """W [..., out_features, in_features] (leading dimensions of stacked layouts
+        first), computed from the reference formulas in float64."""
         raise NotImplementedError
 
     def weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """W [out_features, in_features] through the layout's dequantize op (fp32 inside,
-        on the weight's device): what the fast paths compute."""
+        """W [..., out_features, in_features] through the layout's dequantize op (fp32
+        inside, on the weight's device): what the fast paths compute."""
         raise NotImplementedError
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        """x [..., in_features] @ W^T (+ bias) through the layout's op, in x's dtype."""
+        """x [..., in_features] @ W^T (+ bias) through the layout's op, in x's dtype
+        (2-D layouts; expert stacks have routed_linear instead)."""
         raise NotImplementedError
 
     def descriptor_extra(self) -> List[int]:
@@ -115,6 +118,8 @@ class QuantizedLayout:
         text = f"weight_format={name!r}, group_size={group_size}, in_features={in_features}"
         if layout is None:
             return f"unknown layout {code}, " + text
+        if layout is not cls:
+            text = f"layout={layout.LAYOUT!r}, " + text
         return layout.describe_extra(text, descriptor[4:])
 
     @classmethod

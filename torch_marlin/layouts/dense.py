@@ -66,6 +66,32 @@ class QuantizedWeight(QuantizedLayout):
         zeros = torch.zeros_like(scales) if formats.has_zeros(weight_format) else None
         return cls(packed, scales, zeros, weight_format, group_size, in_features, out_features)
 
+    @classmethod
+    def concat_out(cls, parts) -> "QuantizedWeight":
+        """Weights of the same input side stacked along out_features (exact: scales and
+        zeros are per output column), e.g. gate and up into gate_up. int4 parts join
+        uint4 ones as uint4 with zero 8, the same values."""
+        parts = list(parts)
+        if len({q.weight_format for q in parts}) > 1 and {q.weight_format for q in parts} == {"int4", "uint4"}:
+            parts = [q.as_uint4() for q in parts]
+        first = parts[0]
+        key = (first.weight_format, first.group_size, first.in_features, first.packed.shape[0])
+        for i, q in enumerate(parts):
+            other = (q.weight_format, q.group_size, q.in_features, q.packed.shape[0])
+            if other != key:
+                raise ValueError(f"part {i} has (weight_format, group_size, in_features, K/8) {other}, part 0 has "
+                                 f"{key}: only weights of one format, group size and in_features concatenate")
+        zeros = None if first.zeros is None else torch.cat([q.zeros for q in parts], 1)
+        return cls(torch.cat([q.packed for q in parts], 1), torch.cat([q.scales for q in parts], 1), zeros,
+                   first.weight_format, first.group_size, first.in_features, sum(q.out_features for q in parts))
+
+    def as_uint4(self) -> "QuantizedWeight":
+        """An int4 weight as uint4 with zero point 8: the same codes and values."""
+        if self.weight_format != "int4":
+            raise ValueError(f"only int4 converts to uint4 exactly, this is {self.weight_format}")
+        return QuantizedWeight(self.packed, self.scales, torch.full_like(self.scales, formats.INT4_OFFSET), "uint4",
+                               self.group_size, self.in_features, self.out_features)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W as [N, in_features] (reference path, float64 inside)."""
         b = formats.dequantize_reference(self.packed, self.scales, self.zeros,

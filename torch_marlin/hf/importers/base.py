@@ -9,6 +9,7 @@ from typing import ClassVar, Dict, List, Optional, Tuple, Type
 import torch
 
 from ... import formats
+from ...layouts import QuantizedLayout
 from ...quantize import QuantizedWeight
 from ..checkpoint import SourceCheckpoint
 from ..errors import CheckpointError, UnsupportedQuantization
@@ -21,9 +22,12 @@ REGISTERED: List[Type["Importer"]] = []
 
 @dataclass
 class ConvertedLayer:
-    qweight: QuantizedWeight
+    qweight: QuantizedLayout  # QuantizedWeight, or QuantizedExperts for an expert stack
     # Input permutation of K for act-order checkpoints: x' = x[..., input_perm].
     input_perm: Optional[torch.Tensor] = None
+    # The layer's bias when the converter assembled it (expert stacks from per-expert layers);
+    # otherwise it is the plan's bias_key, copied as stored.
+    bias: Optional[torch.Tensor] = None
 
 
 @dataclass

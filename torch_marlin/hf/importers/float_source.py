@@ -1,14 +1,15 @@
-"""A float checkpoint: quantize the weights of its linear layers."""
+"""A float checkpoint: quantize the weights of its linear layers and expert stacks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Sequence
 
+from ...experts import linear_stack, quantize_experts
 from ...linear import linear_weight
 from ...model import matches_any
 from ...quantize import quantize_weight
-from ..layout import ModelLayout, float_linear_modules
+from ..layout import ModelLayout, expert_parts, float_linear_modules
 from ..errors import CheckpointError
 from .base import ConvertedLayer, Importer, LayerPlan
 
@@ -21,21 +22,16 @@ class FloatSource(Importer):
     quantizer: str = "mse"
     exclude: Sequence[str] = ()
     quantize_lm_head: bool = False
-    skipped: List[str] = field(default_factory=list)  # linear layers left in float, with reason
+    skipped: List[str] = field(default_factory=list)  # linear layers / stacks left in float, with reason
 
     def plan(self) -> Dict[str, LayerPlan]:
         plans = {}
         for module, model_name in float_linear_modules(self.layout, self.source.keys()).items():
             key = f"{module}.weight"
             spec = self.layout.linears[model_name]
-            if not self.source.dtype(key).is_floating_point or len(self.source.shape(key)) != 2:
-                raise CheckpointError(f"{key}: expected a 2-D float weight for a linear layer, got "
-                                      f"{self.source.dtype(key)} {list(self.source.shape(key))}")
             expected = ((spec.out_features, spec.in_features) if spec.kind == "linear"
                         else (spec.in_features, spec.out_features))
-            if tuple(self.source.shape(key)) != expected:
-                raise CheckpointError(f"{key} has shape {list(self.source.shape(key))} but the config "
-                                      f"describes {list(expected)}")
+            self._require_float(key, expected)
             if model_name in self.layout.tied or module in self.layout.tied:
                 self.skipped.append(module)  # shared with an embedding: must stay float
             elif model_name in self.layout.output_embeddings and not self.quantize_lm_head:
@@ -43,16 +39,58 @@ class FloatSource(Importer):
             elif matches_any(module, self.exclude) or matches_any(model_name, self.exclude):
                 self.skipped.append(module)
             else:
-                bias = f"{module}.bias"
-                plans[module] = LayerPlan([key], bias if bias in self.source else None)
+                plans[module] = self._plan(module, key, f"{module}.bias")
+        # Expert stacks: 3-D tensors in the model's own layout (gpt-oss), or per-expert
+        # linear layers that transformers merges into stacks (how it saves Mixtral, Qwen-MoE, ...).
+        for key in self.source.keys():
+            stack = self.layout.resolve(key, self.layout.stacks)
+            if stack is not None:
+                spec = self.layout.stacks[stack]
+                shape = ((spec.num_experts, spec.in_features, spec.out_features) if spec.transposed
+                         else (spec.num_experts, spec.out_features, spec.in_features))
+                self._require_float(key, shape)
+                if not self._skip_experts(key, stack):
+                    plans[key] = self._plan(key, key, f"{key}_bias")
+        candidates = [k[: -len(".weight")] for k in self.source.keys() if k.endswith(".weight")]
+        for module, part in expert_parts(self.layout, candidates).items():
+            spec = self.layout.stacks[part.stack]
+            if len(self.source.shape(f"{module}.weight")) != 2:
+                raise CheckpointError(f"{module}.weight: expected a 2-D float weight of an expert, got "
+                                      f"{list(self.source.shape(f'{module}.weight'))}")
+            self._require_float(f"{module}.weight", tuple(self.source.shape(f"{module}.weight")))
+            if self.source.shape(f"{module}.weight")[1] != spec.in_features:
+                raise CheckpointError(f"{module}.weight has shape {list(self.source.shape(f'{module}.weight'))}, "
+                                      f"but {part.stack} takes in_features={spec.in_features}")
+            if not self._skip_experts(module, part.stack):
+                plans[module] = self._plan(module, f"{module}.weight", f"{module}.bias")
         return plans
+
+    def _plan(self, module: str, key: str, bias: str) -> LayerPlan:
+        return LayerPlan([key], bias if bias in self.source else None)
+
+    def _require_float(self, key: str, shape) -> None:
+        if not self.source.dtype(key).is_floating_point or tuple(self.source.shape(key)) != tuple(shape):
+            raise CheckpointError(f"{key}: expected a float weight of shape {list(shape)} (from the config), got "
+                                  f"{self.source.dtype(key)} {list(self.source.shape(key))}")
+
+    def _skip_experts(self, module: str, stack: str) -> bool:
+        experts = self.layout.stacks[stack].experts_module
+        if matches_any(experts, self.exclude) or matches_any(module, self.exclude):
+            if stack not in self.skipped:
+                self.skipped.append(stack)
+            return True
+        return False
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         weight = self.source.load(plan.keys[0])
-        model_name = self.layout.resolve(module, self.layout.linears)
-        weight = linear_weight(weight, self.layout.linears[model_name].kind == "conv1d")
+        stack = self.layout.resolve(module, self.layout.stacks)
+        model_name = self.layout.resolve(module, self.layout.linears)  # None for an expert's part
         try:  # the quantizer finds NaN and Inf while it reads the weight
-            q = quantize_weight(weight, self.weight_format, self.group_size, self.quantizer)
+            if stack is not None:
+                weight = linear_stack(weight, self.layout.stacks[stack].transposed)
+                return ConvertedLayer(quantize_experts(weight, self.weight_format, self.group_size, self.quantizer))
+            conv1d = model_name is not None and self.layout.linears[model_name].kind == "conv1d"
+            q = quantize_weight(linear_weight(weight, conv1d), self.weight_format, self.group_size, self.quantizer)
         except ValueError as e:
             raise CheckpointError(f"{plan.keys[0]}: {e}") from e
         return ConvertedLayer(q)

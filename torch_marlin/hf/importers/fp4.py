@@ -3,7 +3,8 @@
 All store E2M1 codes two per byte, low nibble first, along K of the
 nn.Linear weight [N, K]; the E2M1 code table equals torch_marlin's fp4.
 - MXFP4 gpt-oss: `X_blocks` uint8 [N, K/32, 16] and `X_scales` uint8 [N, K/32]
-  holding E8M0 exponents, scale = 2^(e - 127).
+  holding E8M0 exponents, scale = 2^(e - 127); gpt-oss's expert stacks add a
+  leading expert dimension ([E, N, K/32, 16], [E, N, K/32]).
 - MXFP4 compressed-tensors (`mxfp4-pack-quantized`): `weight_packed` uint8
   [N, K/2] and `weight_scale` uint8 [N, K/32], the same E8M0 exponents; no
   global scale. Byte for byte the gpt-oss layout with the blocks flattened.
@@ -23,6 +24,7 @@ from typing import Dict
 
 import torch
 
+from ...layouts import QuantizedExperts
 from ...quantize import QuantizedWeight
 from ..errors import CheckpointError, UnsupportedQuantization
 from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
@@ -41,8 +43,11 @@ def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) 
 
 @dataclass
 class MXFP4Source(Importer):
-    """gpt-oss layout (`flavor="gpt-oss"`) or compressed-tensors (`flavor="compressed-tensors"`,
-    planned by CompressedTensorsSource, which hands each MXFP4 layer to `convert`)."""
+    """gpt-oss layout (`flavor="gpt-oss"`: linear weights `<module>.weight_blocks` and
+    expert stacks `<experts>.<param>_blocks` [E, N, K/32, 16] with `_scales` [E, N, K/32]
+    and an optional `<param>_bias` [E, N], each expert exactly like a linear weight) or
+    compressed-tensors (`flavor="compressed-tensors"`, planned by CompressedTensorsSource,
+    which hands each MXFP4 layer to `convert`)."""
 
     QUANT_METHODS = ("mxfp4",)
     LABEL = "MXFP4"
@@ -56,37 +61,47 @@ class MXFP4Source(Importer):
             raise ValueError(f"flavor must be 'gpt-oss' or 'compressed-tensors', got {self.flavor!r}")
 
     def plan(self) -> Dict[str, LayerPlan]:
-        for key in self.source.keys():
-            if key.endswith("_blocks") and not key.endswith(".weight_blocks"):
-                raise UnsupportedQuantization(
-                    f"{key}: MXFP4 tensor of parameter {key[: -len('_blocks')].rpartition('.')[2]!r} (e.g. "
-                    f"gpt-oss MoE experts) is not a linear layer weight; only '<module>.weight_blocks' is supported")
-
         def tensors(module, key):
             if len(self.source.shape(key)) != 3:
-                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16], got "
-                                              f"{list(self.source.shape(key))} (3-D expert stacks unsupported)")
+                raise UnsupportedQuantization(f"{key}: expected [N, K/32, 16] for a linear weight, got "
+                                              f"{list(self.source.shape(key))} (expert stacks are "
+                                              f"'<experts>.<param>_blocks')")
             return [key, f"{module}.weight_scales"]
 
-        return self.plan_layers(".weight_blocks", "MXFP4", tensors)
+        plans = {}
+        for key in self.source.keys():
+            if key.endswith("_blocks") and not key.endswith(".weight_blocks"):
+                stack = key[: -len("_blocks")]
+                if len(self.source.shape(key)) != 4:
+                    raise UnsupportedQuantization(
+                        f"{key}: MXFP4 tensor of parameter {stack.rpartition('.')[2]!r} must be an expert stack "
+                        f"[E, N, K/32, 16], got {list(self.source.shape(key))}")
+                bias = f"{stack}_bias"
+                plans[stack] = LayerPlan([key, f"{stack}_scales"], bias if bias in self.source else None)
+        if any(key.endswith(".weight_blocks") for key in self.source.keys()) or not plans:
+            plans.update(self.plan_layers(".weight_blocks", "MXFP4", tensors))
+        return plans
 
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         """plan.keys: the E2M1 bytes, then the E8M0 exponents."""
         packed = self.require(plan.keys[0], torch.uint8)
         if self.flavor == "gpt-oss":
-            if packed.dim() != 3 or packed.shape[2] != 16:
-                raise CheckpointError(f"{plan.keys[0]}: expected [N, K/32, 16] (16 bytes = 32 values per block), "
-                                      f"got {list(packed.shape)}")
-            packed = packed.reshape(packed.shape[0], -1)
+            if packed.dim() not in (3, 4) or packed.shape[-1] != 16:
+                raise CheckpointError(f"{plan.keys[0]}: expected [N, K/32, 16] or an expert stack [E, N, K/32, 16] "
+                                      f"(16 bytes = 32 values per block), got {list(packed.shape)}")
+            packed = packed.reshape(*packed.shape[:-2], -1)
         elif packed.dim() != 2 or packed.shape[1] % 16:
             raise CheckpointError(f"{plan.keys[0]}: expected [N, K/2] with K a multiple of 32, "
                                   f"got {list(packed.shape)}")
-        n, groups = packed.shape[0], packed.shape[1] // 16
-        exponents = self.require(plan.keys[1], torch.uint8, (n, groups)).to(torch.int32)
+        rows, groups = tuple(packed.shape[:-1]), packed.shape[-1] // 16  # rows: [N] or [E, N]
+        exponents = self.require(plan.keys[1], torch.uint8, (*rows, groups)).to(torch.int32)
         if (exponents == E8M0_NAN).any():
             raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
-        scales = torch.pow(2.0, (exponents - 127).to(torch.float64))
-        return ConvertedLayer(fp4_layer(unpack_uint8_pairs(packed), self.to_fp16_scales(scales, module), 32))
+        scales = self.to_fp16_scales(torch.pow(2.0, (exponents - 127).to(torch.float64)), module)
+        codes = unpack_uint8_pairs(packed)
+        if len(rows) == 1:
+            return ConvertedLayer(fp4_layer(codes, scales, 32))
+        return ConvertedLayer(QuantizedExperts.stack([fp4_layer(codes[e], scales[e], 32) for e in range(rows[0])]))
 
 
 @dataclass
