@@ -503,6 +503,9 @@ constexpr int kStreamPrefetchWords = 4096;
 // and AVX2; the generic build is compute-bound and ran 3x slower with it
 // (part sums through memory), and Arm is unmeasured.
 constexpr bool kGemvStream = MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2;
+// ... and only for a range of at least a panel: narrow ranges (moe_gemm's
+// 64-column items) gain no long stream and keep the sums in registers.
+constexpr int64_t kStreamMinCols = kPanelStrips * kStrip;
 
 // out[m0, n0:n1] for one row of x: the weights are read in memory order,
 // each word row across all of n0:n1, so that one thread reads one sequential
@@ -775,14 +778,14 @@ void gemv_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t 
     const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
 #if MARLIN_KERNEL_BF16_DOT
     if (a.x_bf16) {
-      if (kGemvStream && e - m == 1)
+      if (kGemvStream && e - m == 1 && n1 - n0 >= kStreamMinCols)
         gemv_stream<F, true>(a, m, n0, n1);
       else
         gemv_impl<F, true>(a, m, e, n0, n1);
       continue;
     }
 #endif
-    if (kGemvStream && e - m == 1)
+    if (kGemvStream && e - m == 1 && n1 - n0 >= kStreamMinCols)
       gemv_stream<F, false>(a, m, n0, n1);
     else
       gemv_impl<F, false>(a, m, e, n0, n1);
