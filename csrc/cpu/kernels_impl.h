@@ -497,10 +497,10 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
 }
 
 // How far ahead of the read position gemv_stream fetches weights: 16 KiB
-// measured best on Zen 5 (8 KiB: ~10% slower; none: ~1.7x slower from DRAM).
+// measured best on Zen 5 (8 KiB: up to 9% slower; none: 1.2-1.7x slower from DRAM).
 constexpr int kStreamPrefetchWords = 4096;
 // Builds that take gemv_stream for one row: measured faster with AVX-512
-// and AVX2; the generic build is compute-bound and ran 3x slower with it
+// and AVX2; the generic build is compute-bound and ran 2-3.4x slower with it
 // (part sums through memory), and Arm is unmeasured.
 constexpr bool kGemvStream = MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2;
 // ... and only for a range of at least a panel: narrow ranges (moe_gemm's
@@ -509,7 +509,7 @@ constexpr int64_t kStreamMinCols = kPanelStrips * kStrip;
 
 // out[m0, n0:n1] for one row of x: the weights are read in memory order,
 // each word row across all of n0:n1, so that one thread reads one sequential
-// stream (with every column, 16 KiB ahead). From DRAM this ran ~1.5x faster
+// stream (prefetched 16 KiB ahead). From DRAM this ran 1.7-2.2x faster
 // than column panels with word rows 4*N bytes apart, whose runs restart
 // every few KiB. The per-column group sums live in memory (part, acc), so
 // each word is read once and decoded once; sums are taken in the same order
