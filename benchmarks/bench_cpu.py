@@ -7,10 +7,15 @@ the same process, interleaved round by round (so a noisy neighbour slows all
 of them alike); the figures are medians. Prints the CPU, its instruction-set
 flags and the kernel build that ran, a table, and writes JSON with the same.
 
-    python benchmarks/bench_cpu.py [--quick] [--kernels avx2] [--threads 2] [--clock wall] [--json bench_cpu.json]
+    python benchmarks/bench_cpu.py [--quick] [--sparse] [--kernels avx2] [--threads 2] [--clock wall]
+                                   [--json bench_cpu.json]
 
 --kernels forces a kernel build (= TORCH_MARLIN_CPU_KERNELS), e.g. to check
 the AVX2 build on an AVX-512 machine.
+
+With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
+the dense layout of the same format on the same shapes, timed alternately in
+one process (minimum times, and the median of the per-pair ratios).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 import torch_marlin  # noqa: F401  (registers torch.ops.marlin)
 from torch_marlin.formats import pack_codes
+from torch_marlin.layouts.sparse24 import PATTERNS, pack_kept
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (N = out_features, K = in_features)
 ROWS = [1, 8, 32, 128]
@@ -93,6 +99,55 @@ def torch_int4(codes: torch.Tensor, scales: torch.Tensor):
     return packed, scale_zeros
 
 
+def sparse_weights(n: int, k: int, fmt: str):
+    """Random 2:4 weights (uniform patterns) with the dense weights' scales/zeros shapes."""
+    g = torch.Generator().manual_seed(1)
+    kept = torch.randint(0, 16, (k // 2, n), generator=g, dtype=torch.int32)
+    pattern = torch.tensor(PATTERNS)[torch.randint(0, 6, (k // 4, n), generator=g)]  # [K/4, N, 2]
+    return pack_kept(kept, pattern.permute(0, 2, 1).reshape(k // 2, n))
+
+
+def paired_seconds(dense, sparse, repeats: int):
+    """Alternate the two; (min dense, min sparse, median of dense/sparse per pair)."""
+    dense(), sparse()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, out in ((dense, a), (sparse, b)):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return min(a), min(b), statistics.median(x / y for x, y in zip(a, b))
+
+
+def sparse_main(args, shapes) -> None:
+    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; 2:4 sparse vs dense, group {GROUP_SIZE}, bf16 x")
+    header = (f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'dense ms':>9} {'2:4 ms':>9} | "
+              f"{'x (min)':>7} {'x (median)':>10}")
+    print(header)
+    print("-" * len(header))
+    results = []
+    for n, k in shapes:
+        for fmt in args.formats.split(","):
+            _, packed, scales, zeros = make_weights(n, k, fmt)
+            values, metadata = sparse_weights(n, k, fmt)
+            for m in ROWS:
+                x = torch.randn(m, k).to(torch.bfloat16)
+                reps = args.repeats * (3 if m <= 8 else 1)
+                td, ts, ratio = paired_seconds(
+                    lambda: torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, GROUP_SIZE),
+                    lambda: torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, fmt, GROUP_SIZE),
+                    reps)
+                row = dict(format=fmt, n=n, k=k, m=m, dense_ms=td * 1e3, sparse_ms=ts * 1e3, speedup_min=td / ts,
+                           speedup_median=ratio)
+                results.append(row)
+                print(f"{fmt:6} {n:6} {k:6} {m:4} | {td * 1e3:9.3f} {ts * 1e3:9.3f} | {td / ts:7.2f} {ratio:10.2f}",
+                      flush=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(threads=torch.get_num_threads(), torch=torch.__version__, sparse=results), f, indent=1)
+    print(f"wrote {args.json}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer repeats")
@@ -105,6 +160,7 @@ def main() -> None:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="wall time, or process CPU time (steadier with --threads 1 on a shared machine)")
     parser.add_argument("--json", default="bench_cpu.json")
+    parser.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernels:
@@ -112,6 +168,8 @@ def main() -> None:
     shapes = SHAPES[:1] if args.quick else SHAPES
     repeats = 5 if args.quick else args.repeats
     rows = [int(r) for r in args.rows.split(",")]
+    if args.sparse:
+        return sparse_main(args, shapes)
 
     cpu = cpu_description()
     kernels = json.loads(torch.ops.marlin._cpu_kernels())

@@ -16,7 +16,11 @@ docs/KERNELS.md (bytes and ALU instructions per weight, counted from the
 kernel source) and the bound it gives on each M1-M4 Pro/Max. Nothing is timed
 there: the emulator says nothing about GPU speed, and the bounds are estimates.
 
-    python3 benchmarks/bench_mps.py [--format fp4] [--group-size 128] [--plan-only] [--estimates]
+With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
+the dense layout of the same format, the same way (plan traffic everywhere,
+median times on a Mac).
+
+    python3 benchmarks/bench_mps.py [--format fp4] [--group-size 128] [--plan-only] [--estimates] [--sparse]
 """
 
 from __future__ import annotations
@@ -206,8 +210,9 @@ def report_banks():
               + ("  <- unpadded, for comparison" if stride == tn else ""))
 
 
-def ideal_bytes(m, n, k, groups, fmt, t):
-    weights = k // 8 * n * 4 + groups * n * 2 * (2 if fmt == "uint4" else 1)
+def ideal_bytes(m, n, k, groups, fmt, t, sparse=False):
+    codes = k // 16 * n * 4 + k // 32 * n * 4 if sparse else k // 8 * n * 4  # 2:4: values + metadata
+    weights = codes + groups * n * 2 * (2 if fmt == "uint4" else 1)
     return weights + m * k * t + m * n * t
 
 
@@ -216,6 +221,8 @@ def plan_bytes(plan, fmt):
     m, n, k, t = plan["M"], plan["N"], plan["K"], DTYPE_SIZE[plan["dtype"]]
     groups = k // plan["group_rows"]
     params = groups * n * 2 * (2 if fmt == "uint4" else 1)  # scales (+ zeros), fp16
+    sz = 2 if fmt == "uint4" else 1  # fp16 params per (group, column)
+    sparse_codes = k // 16 * n * 4 + k // 32 * n * 4  # 2:4 values + metadata
     out = m * n * (4 if plan["splits"] > 1 else t)  # fp32 partial tiles with a K split
     total = 0
     for l in plan["launches"]:
@@ -231,7 +238,43 @@ def plan_bytes(plan, fmt):
             total += plan["splits"] * m * n * 4 + m * n * t
         elif name.startswith("marlin_dequant_"):
             total += k // 8 * n * 4 + params + k * n * t
-    return total, ideal_bytes(m, n, k, groups, fmt, t)
+        elif name.startswith("marlin_sparse24_gemv_"):
+            # values and metadata once (a lane's run of 2 values rows has one metadata word); params
+            # once per run, the 4 runs of a simdgroup step (128 K) sharing one address at g >= 128:
+            # once per group, or per 128 K for larger groups; every threadgroup reads all of x
+            total += sparse_codes + max(groups, k // 128) * n * 2 * sz + gx * m * k * t + m * n * t
+        elif name.startswith("marlin_sparse24_gemm_"):
+            total += gy * (sparse_codes + k // 16 * n * 2 * sz) + gx * m * k * t + out
+        elif name.startswith("marlin_sparse24_dequant_"):
+            total += sparse_codes + k // 16 * n * 2 * sz + k * n * t
+    return total, ideal_bytes(m, n, k, groups, fmt, t, plan_is_sparse(plan))
+
+
+def plan_is_sparse(plan):
+    return any(l["kernel"].startswith("marlin_sparse24_") for l in plan["launches"])
+
+
+def sparse_meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
+    x, _, scales, zeros = meta_inputs(m, n, k, fmt, gs, dtype, device)
+    values = torch.empty(k // 16, n, dtype=torch.int32, device=device)
+    metadata = torch.empty(k // 32, n, dtype=torch.int32, device=device)
+    return x, values, metadata, scales, zeros
+
+
+def report_sparse_plans(fmt, gs, dtype=torch.float16):
+    """Requested device bytes of the 2:4 plans against the dense plans of the same problem."""
+    print(f"# 2:4 sparse vs dense plan traffic, format={fmt}, group_size={gs}, dtype={dtype}")
+    print(f"{'shape':24} {'M':>5} {'sparse kernels':40} {'MB dense':>9} {'MB 2:4':>9} {'req. x':>7} "
+          f"{'ideal x':>7}")
+    for name, (n, k) in SHAPES.items():
+        for m in M_VALUES:
+            dense = metal_plan("gemm", *meta_inputs(m, n, k, fmt, gs, dtype), None, fmt, gs)
+            x, values, metadata, scales, zeros = sparse_meta_inputs(m, n, k, fmt, gs, dtype)
+            sparse = metal_plan("sparse24_gemm", x, values, metadata, scales, zeros, None, fmt, gs)
+            (dreq, dideal), (sreq, sideal) = plan_bytes(dense, fmt), plan_bytes(sparse, fmt)
+            kernels = "+".join(l["kernel"].replace("marlin_", "") for l in sparse["launches"])
+            print(f"{name:24} {m:5d} {kernels:40} {dreq / 1e6:9.2f} {sreq / 1e6:9.2f} {dreq / sreq:7.2f} "
+                  f"{dideal / sideal:7.2f}")
 
 
 def meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
@@ -360,6 +403,41 @@ def bench_device(fmt, gs, peak_gbs, cache_bytes=256 << 20):
                   f"{t_i:9.3f} {t_i / t_m:6.2f}")
 
 
+def bench_sparse_device(fmt, gs, cache_bytes=256 << 20):
+    """Median ms of sparse24_gemm against gemm of the same format on MPS (rotating weight copies)."""
+    dev = "mps"
+    print(f"# MPS timings, 2:4 sparse vs dense, format={fmt}, group_size={gs}, fp16 activations (median ms)")
+    print(f"{'shape':24} {'M':>5} {'dense':>8} {'2:4':>8} {'x':>6}")
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, min(32, math.ceil(cache_bytes / (k // 8 * n * 4))))
+        groups = k // gs if gs != -1 else 1
+        dense_w, sparse_w = [], []
+        for _ in range(copies):
+            scales = torch.rand(groups, n, dtype=torch.float16, device=dev)
+            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if fmt == "uint4" else None
+            dense_w.append((torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev), scales,
+                            zeros))
+            # metadata of valid patterns only: every nibble (0, 1) = 0x4
+            sparse_w.append((torch.randint(-2**31, 2**31 - 1, (k // 16, n), dtype=torch.int32, device=dev),
+                             torch.full((k // 32, n), 0x44444444, dtype=torch.int32, device=dev), scales, zeros))
+        for m in M_VALUES:
+            x = torch.randn(m, k, dtype=torch.float16, device=dev)
+            it = [0, 0]
+
+            def dense():
+                p, s, z = dense_w[it[0] % copies]
+                it[0] += 1
+                return torch.ops.marlin.gemm(x, p, s, z, None, fmt, gs)
+
+            def sparse():
+                v, md, s, z = sparse_w[it[1] % copies]
+                it[1] += 1
+                return torch.ops.marlin.sparse24_gemm(x, v, md, s, z, None, fmt, gs)
+
+            t_d, t_s = _median_ms(dense), _median_ms(sparse)
+            print(f"{name:24} {m:5d} {t_d:8.3f} {t_s:8.3f} {t_d / t_s:6.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", default="fp4", choices=WEIGHT_FORMATS)
@@ -367,8 +445,9 @@ def main():
     ap.add_argument("--plan-only", action="store_true", help="only the plan traffic report (and --estimates)")
     ap.add_argument("--estimates", action="store_true", help="the per-chip bounds of docs/KERNELS.md")
     ap.add_argument("--peak-gbs", type=float, help="the chip's DRAM bandwidth, when it is not detected")
+    ap.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
     args = ap.parse_args()
-    report_plans(args.format, args.group_size)
+    (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
     if args.estimates:
         report_estimates(args.format, args.group_size)
         report_banks()
@@ -377,7 +456,10 @@ def main():
         if not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm", "MPS"):
             print("torch_marlin was built without the MPS bridge: no device timings")
             return
-        bench_device(args.format, args.group_size, args.peak_gbs)
+        if args.sparse:
+            bench_sparse_device(args.format, args.group_size)
+        else:
+            bench_device(args.format, args.group_size, args.peak_gbs)
     elif not mps:
         print("(no MPS device: device timings skipped)")
 

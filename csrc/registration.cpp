@@ -97,6 +97,15 @@ TORCH_LIBRARY(marlin, m) {
   m.def("_metal_fit_threadgroup(str kernel, int[] threadgroup, int min_threads_x, int max_threads, "
         "int thread_execution_width=32) -> int[]");
   m.def("_metal_support_problem(int macos_major, int macos_minor, bool apple7_gpu) -> str");
+  // 2:4 sparse layout (torch_marlin/layouts/sparse24.py, docs/FORMAT.md).
+  def_metal_op(m, "sparse24_gemm",
+               "(Tensor x, Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, Tensor? bias, "
+               "str weight_format, int group_size)",
+               "Tensor");
+  def_metal_op(m, "sparse24_dequantize",
+               "(Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, str weight_format, "
+               "int group_size, ScalarType? dtype=None)",
+               "Tensor");
   // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
   m.def(
       "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "

@@ -36,6 +36,14 @@ inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4; }
 MARLIN_CONSTEXPR int kPackFactor = 8;  // 4-bit codes per int32 word, along K
 MARLIN_CONSTEXPR int kInt4Offset = 8;  // int4 is offset-binary: q - 8 is the value
 
+// 2:4 sparse layout (docs/FORMAT.md): a values word holds the 8 kept codes of
+// 16 K rows (4 blocks), a metadata word the 8 position nibbles of 32 K rows.
+MARLIN_CONSTEXPR int kSparseValueRows = 16;
+MARLIN_CONSTEXPR int kSparseMetadataRows = 32;
+// The 2:4 GEMM (metal/sparse24_gemm.h) steps through K in stages of one
+// metadata row: 2 values rows, 32 K (the dense GEMMs' stage is kGemmTileK).
+MARLIN_CONSTEXPR int kSparseGemmTileK = kSparseMetadataRows;
+
 // Allowed group sizes along K; -1 is one group over all of K (per channel).
 MARLIN_CONSTEXPR int kNumGroupSizes = 6;
 MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};

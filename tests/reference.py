@@ -40,3 +40,45 @@ def dequantize_one_by_one(words, scales, zeros, weight_format, group_size):
             else:
                 out[row][col] = (code - zeros[row // rows][col]) * s
     return out
+
+
+# --- 2:4 sparse layout (docs/FORMAT.md, "2:4 sparse layout") ---------------------------
+
+def pack_sparse_one_by_one(codes, keep):
+    """codes, keep: K rows of N (ints 0..15, bools with two True per block of 4 along K)
+    -> (values: K/16 rows of N int32 ints, metadata: K/32 rows of N int32 ints)."""
+    k, n = len(codes), len(codes[0])
+    values = [[0] * n for _ in range(k // 16)]
+    metadata = [[0] * n for _ in range(k // 32)]
+    for col in range(n):
+        for block in range(k // 4):
+            kept = [p for p in range(4) if keep[4 * block + p][col]]
+            assert len(kept) == 2
+            for slot, p in enumerate(kept):
+                nibble = block % 4 + 4 * slot  # kept weight `slot` of block b: nibble b % 4 + 4 * slot
+                values[block // 4][col] |= codes[4 * block + p][col] << (4 * nibble)
+            metadata[block // 8][col] |= (kept[0] | kept[1] << 2) << (4 * (block % 8))
+    signed = lambda rows: [[w - (1 << 32) if w >= 1 << 31 else w for w in r] for r in rows]
+    return signed(values), signed(metadata)
+
+
+def dequantize_sparse_one_by_one(values, metadata, scales, zeros, weight_format, group_size):
+    """Float B[k][n] of a 2:4 weight: the kept codes dequantized as in the dense
+    layout (docs/FORMAT.md), every other weight 0.0."""
+    k, n = len(values) * 16, len(values[0])
+    rows = k if group_size == -1 else group_size
+    out = [[0.0] * n for _ in range(k)]
+    for col in range(n):
+        for block in range(k // 4):
+            nibble = ((metadata[block // 8][col] & 0xFFFFFFFF) >> (4 * (block % 8))) & 0xF
+            for slot, p in enumerate((nibble & 3, nibble >> 2)):
+                row = 4 * block + p
+                code = ((values[block // 4][col] & 0xFFFFFFFF) >> (4 * (block % 4 + 4 * slot))) & 0xF
+                s = scales[row // rows][col]
+                if weight_format == "fp4":
+                    out[row][col] = e2m1_value(code) * s
+                elif weight_format == "int4":
+                    out[row][col] = (code - 8) * s
+                else:
+                    out[row][col] = (code - zeros[row // rows][col]) * s
+    return out

@@ -2,10 +2,11 @@
 
     torch-marlin convert SRC DST --format fp4|uint4|int4 --group-size N
                  [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
-                 [--method gptq --calibration FILE [--calibration-samples N] [--calibration-length L]]
+                 [--sparsity 2:4] [--method gptq|sparsegpt|wanda --calibration FILE
+                 [--calibration-samples N] [--calibration-length L]]
 
 SRC is a model directory or a Hugging Face Hub repo id (torch_marlin/hf/hub.py);
-with --method gptq it must be a local directory.
+with a calibrated --method it must be a local directory.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from .formats import GROUP_SIZES, WEIGHT_FORMATS
 from .quantize import quantizer_names
 
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE = 0, 1, 2
+CALIBRATED_METHODS = ("gptq", "sparsegpt", "wanda")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,6 +45,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="cast the tensors left in float (default: keep the source dtype)")
     conv.add_argument("--quantizer", default="mse", choices=quantizer_names(),
                       help="quantizer for float sources (default mse)")
+    conv.add_argument("--sparsity", choices=("2:4",), default=None,
+                      help="prune float sources to 2:4 structured sparsity before quantizing (by magnitude, "
+                           "or with --method sparsegpt|wanda; weights that are already 2:4 keep their "
+                           "pattern); docs/SPARSITY.md")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
@@ -59,10 +65,12 @@ def _parser() -> argparse.ArgumentParser:
 def _add_calibration_arguments(conv) -> None:
     from .hf.calibrated import DEFAULT_BATCH_SIZE, DEFAULT_LENGTH, DEFAULT_SAMPLES
 
-    group = conv.add_argument_group("calibrated quantization (--method gptq; docs/CONVERT.md)")
-    group.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
-                       help="rtn: round to nearest with --quantizer, streaming (default); "
-                            "gptq: GPTQ on calibration text, loads the float model with transformers")
+    group = conv.add_argument_group("calibrated quantization (--method gptq|sparsegpt|wanda; docs/CONVERT.md)")
+    group.add_argument("--method", choices=("rtn",) + CALIBRATED_METHODS, default="rtn",
+                       help="rtn: round to nearest with --quantizer (with --sparsity: magnitude pruning), "
+                            "streaming (default); gptq: GPTQ on calibration text; sparsegpt, wanda (with "
+                            "--sparsity 2:4): 2:4 pruning on calibration text; the calibrated methods load "
+                            "the float model with transformers")
     group.add_argument("--calibration", metavar="FILE",
                        help="calibration text: JSON lines with a \"text\" field, or plain text, one sample per line")
     group.add_argument("--calibration-samples", type=int, default=DEFAULT_SAMPLES, metavar="N",
@@ -97,14 +105,25 @@ def _convert(args) -> int:
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be a positive number of MiB", file=sys.stderr)
         return _EXIT_USAGE
-    if (args.method == "gptq") != (args.calibration is not None):
-        print("error: --method gptq and --calibration FILE go together", file=sys.stderr)
+    calibrated = args.method in CALIBRATED_METHODS
+    if calibrated != (args.calibration is not None):
+        method = args.method if calibrated else "gptq"
+        print(f"error: --method {method} and --calibration FILE go together", file=sys.stderr)
         return _EXIT_USAGE
-    if args.method == "gptq" and args.revision is not None:
-        print("error: --revision is for Hub repo ids; --method gptq takes a local model directory",
+    if calibrated and args.revision is not None:
+        print(f"error: --revision is for Hub repo ids; --method {args.method} takes a local model directory",
               file=sys.stderr)
         return _EXIT_USAGE
-    if args.method == "gptq":
+    if args.method in ("sparsegpt", "wanda") and args.sparsity is None:
+        print(f"error: --method {args.method} prunes to 2:4: add --sparsity 2:4", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.method == "gptq" and args.sparsity is not None:
+        print("error: --sparsity 2:4 takes --method sparsegpt or wanda (GPTQ keeps every weight)", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.act_order and args.method != "gptq":
+        print("error: --act-order is a GPTQ option (--method gptq)", file=sys.stderr)
+        return _EXIT_USAGE
+    if calibrated:
         return _convert_calibrated(args)
 
     def run():
@@ -115,7 +134,7 @@ def _convert(args) -> int:
                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                           revision=args.revision)
+                           revision=args.revision, sparsity=args.sparsity)
     return _report(run)
 
 
@@ -140,6 +159,7 @@ def _convert_calibrated(args) -> int:
 
     return _report(lambda: convert_with_calibration(
         args.src, args.dst, args.calibration, weight_format=args.weight_format, group_size=args.group_size,
+        method=args.method, sparsity=args.sparsity,
         samples=args.calibration_samples, length=args.calibration_length, batch_size=args.calibration_batch_size,
         seed=args.seed, act_order=args.act_order, damp=args.damp, block_size=args.block_size,
         exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,

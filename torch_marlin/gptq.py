@@ -370,9 +370,11 @@ def _codes_of(values: torch.Tensor, weight_format: str) -> torch.Tensor:
 
 
 def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str):
-    """Scale (and zero) for each row of group [N, gs] minimizing sum_k cost[k] (w - q)^2:
-    clipped ranges, each refit by weighted least squares on its codes."""
-    c = cost.float().unsqueeze(0) + 1e-30
+    """Scale (and zero) for each row of group [N, gs] minimizing sum_k cost[k] (w - q)^2
+    (cost [gs], or [N, gs]: one per weight, as SparseGPT's kept weights): clipped ranges,
+    each refit by weighted least squares on its codes."""
+    c = cost.float()
+    c = (c.unsqueeze(0) if c.dim() == 1 else c) + 1e-30
     group = group.float()
     n = group.shape[0]
     best_err = torch.full((n,), float("inf"))
@@ -384,7 +386,7 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
     else:
         lo, hi = None, group.abs().amax(-1)
         qmax = 6.0 if weight_format == "fp4" else 7.0
-    csum = c.sum()
+    csum = c.sum(-1, keepdim=True)
     for ratio in _CLIP_RATIOS:
         if lo is None:
             s = _to_fp16_scale(hi * ratio / qmax)

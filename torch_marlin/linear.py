@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from . import formats
-from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code
+from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes
-from .quantize import quantize_weight
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -109,7 +108,7 @@ class QuantizedModule(nn.Module):
 
     def _weight_repr(self) -> str:
         q = self.quantized_weight()
-        bits = q.nbytes * 8 / (q.packed.numel() // q.packed.shape[-2] * q.in_features)
+        bits = q.nbytes * 8 / q.num_weights
         return (f"weight_format={self.weight_format}, group_size={self.group_size}, "
                 f"bits_per_weight={bits:.2f}")
 
@@ -123,16 +122,20 @@ class MarlinLinear(QuantizedModule):
 
     `layout` is the weight layout class (torch_marlin/layouts/; default the
     dense QuantizedWeight): the module's buffers are that layout's tensors and
-    its forward is that layout's op.
+    its forward is that layout's op. `sparsity` ("2:4") is a shorthand for the
+    layout registered under that name (SparseQuantizedWeight).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  weight_format: str = "fp4", group_size: int = 128,
-                 device=None, dtype=None, layout: Type[QuantizedLayout] = QuantizedWeight) -> None:
+                 device=None, dtype=None, layout: Optional[Type[QuantizedLayout]] = None,
+                 sparsity: Optional[str] = None) -> None:
         super().__init__()
-        self._init_weight(layout, in_features, out_features, weight_format, group_size, device=device)
+        self._init_weight(_choose_layout(layout, sparsity), in_features, out_features, weight_format, group_size,
+                          device=device)
         b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
         self.register_buffer("bias", b)
+        self.register_load_state_dict_post_hook(_check_loaded_contents)
 
     @classmethod
     def from_quantized(cls, qweight: QuantizedLayout, bias: Optional[torch.Tensor] = None) -> "MarlinLinear":
@@ -152,27 +155,41 @@ class MarlinLinear(QuantizedModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse", hessian: Optional[torch.Tensor] = None, **gptq_options) -> "MarlinLinear":
+                    method: str = "mse", sparsity: Optional[str] = None, hessian: Optional[torch.Tensor] = None,
+                    **options) -> "MarlinLinear":
         """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
         stays on that device. This is the one path every float linear weight takes
-        (quantize_model, quantize-on-load).
+        (quantize_model, quantize-on-load). `method` is the quantizer.
 
         method="gptq" needs `hessian`, mean(x x^T) [in_features, in_features] of the layer's
         inputs, and takes act_order / damp / block_size / refine_rounds (torch_marlin.gptq);
-        with act_order the result is a PermutedInputMarlinLinear."""
+        with act_order the result is a PermutedInputMarlinLinear.
+
+        sparsity="2:4" prunes the weight to 2:4 first (docs/SPARSITY.md): by magnitude
+        (method "magnitude" or a quantizer name), or with method="sparsegpt" | "wanda" and
+        `hessian` (damp / block_size: torch_marlin.sparsegpt); a weight that is already 2:4
+        keeps its pattern."""
+        from .sparsity import CALIBRATED_PRUNING, split_method
+
+        layout = _choose_layout(None, sparsity)
+        pruning, quantizer = split_method(method, sparsity)
+        if pruning in CALIBRATED_PRUNING:
+            from .sparsegpt import sparse_linear
+
+            return sparse_linear(linear, weight_format, group_size, pruning, hessian, **options)
         if method == "gptq":
             from .gptq import gptq_linear
 
-            return gptq_linear(linear, weight_format, group_size, hessian, **gptq_options)
-        if hessian is not None or gptq_options:
-            raise ValueError(f"hessian/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
-                             f"got method={method!r}")
+            return gptq_linear(linear, weight_format, group_size, hessian, **options)
+        if hessian is not None or options:
+            raise ValueError(f"hessian/{sorted(options) or 'options'} are only used by method='gptq' "
+                             f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
         if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
             raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
         if linear.weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
         weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        qweight = quantize_weight(weight, weight_format, group_size, method)
+        qweight = layout.from_float(weight, weight_format, group_size, quantizer)
         bias = None if linear.bias is None else linear.bias.detach().cpu()
         module = cls.from_quantized(qweight, bias)
         module.quantization_error = qweight.relative_error
@@ -187,13 +204,32 @@ class MarlinLinear(QuantizedModule):
                 f"bias={self.bias is not None}, {self._weight_repr()}{layout}")
 
 
+def _choose_layout(layout, sparsity) -> Type[QuantizedLayout]:
+    by_sparsity = layout_for_sparsity(sparsity)
+    if layout is None:
+        return by_sparsity or QuantizedWeight
+    if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
+        raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
+    if sparsity is not None and layout is not by_sparsity:
+        raise ValueError(f"layout={layout.__name__} and sparsity={sparsity!r} disagree: give one of them")
+    return layout
+
+
+def _check_loaded_contents(module: "MarlinLinear", incompatible_keys) -> None:
+    """After load_state_dict: the layout's content rules (e.g. valid 2:4 metadata)."""
+    qweight = module.quantized_weight()
+    if all(t.device.type != "meta" for t in qweight.tensors().values()):
+        qweight.check_contents()
+
+
 class PermutedInputMarlinLinear(MarlinLinear):
     """MarlinLinear whose K rows were reordered (GPTQ / compressed-tensors act-order):
     groups are contiguous after the permutation, so the input is permuted the same way."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
-                 group_size: int = 128, device=None, dtype=None) -> None:
-        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype)
+                 group_size: int = 128, device=None, dtype=None, layout=None, sparsity=None) -> None:
+        super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype,
+                         layout=layout, sparsity=sparsity)
         self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from torch import nn
 
 from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
+from .sparsity import CALIBRATED_PRUNING, split_method
 
 Patterns = Union[str, Iterable[str], None]
 
@@ -25,8 +26,11 @@ class QuantizationReport:
     experts_replaced: List[str] = field(default_factory=list)  # experts modules now MarlinExperts
     experts_skipped: List[str] = field(default_factory=list)  # experts modules left in float (excluded)
     experts_unsupported: Dict[str, str] = field(default_factory=dict)  # left in float: why
-    # method="gptq": relative output error on the calibration data, (round to nearest, GPTQ)
+    # method="gptq" (or a calibrated 2:4 method): relative output error on the calibration
+    # data, (baseline, method): (round to nearest, GPTQ), (magnitude 2:4, SparseGPT / Wanda)
     output_errors: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    method_name: str = "GPTQ"
+    baseline_name: str = "round to nearest"
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
     calibration_batches: int = 0
     seconds: float = 0.0
@@ -50,11 +54,12 @@ class QuantizationReport:
         text = (f"quantized {len(self.replaced)} linear layers ({len(self.skipped)} left in float){experts}: "
                 f"{self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
         if self.output_errors:
-            lines = [text, f"GPTQ on {self.calibration_batches} calibration batches in {self.seconds:.1f} s; "
-                           f"relative output error per layer (round to nearest -> GPTQ):"]
+            lines = [text, f"{self.method_name} on {self.calibration_batches} calibration batches in "
+                           f"{self.seconds:.1f} s; relative output error per layer "
+                           f"({self.baseline_name} -> {self.method_name}):"]
             lines += [f"  {name}: {rtn:.4f} -> {gptq:.4f}" for name, (rtn, gptq) in self.output_errors.items()]
             if self.unreached:
-                lines.append(f"  never reached by the calibration data (round to nearest): {', '.join(self.unreached)}")
+                lines.append(f"  never reached by the calibration data ({self.baseline_name}): {', '.join(self.unreached)}")
             text = "\n".join(lines)
         return text
 
@@ -87,7 +92,7 @@ def _nbytes(module: nn.Module) -> int:
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
                    method: str = "mse", calibration: Optional[Iterable] = None,
-                   **gptq_options) -> QuantizationReport:
+                   sparsity: Optional[str] = None, **options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear, and
@@ -100,11 +105,20 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     GPTQ on the inputs they receive from `calibration` (an iterable of model
     inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
     model(**d)); options act_order / damp / block_size / refine_rounds are
-    described in torch_marlin.gptq and torch_marlin.calibration. Expert stacks
-    are then quantized without calibration (method "mse"): GPTQ for experts is
-    not implemented."""
+    described in torch_marlin.gptq and torch_marlin.calibration.
+
+    sparsity="2:4" prunes every such linear layer to 2:4 (SparseQuantizedWeight,
+    docs/SPARSITY.md); `method` then names the pruning method: "magnitude" (no
+    data; or a quantizer name, "mse"/"absmax": magnitude pruning with that
+    quantizer), "sparsegpt" or "wanda" (sequential on `calibration` as GPTQ;
+    options damp / block_size, torch_marlin.sparsegpt).
+
+    Expert stacks are always quantized dense and without calibration (the
+    quantizer "mse" when `method` is a calibrated or pruning method): GPTQ,
+    SparseGPT and 2:4 for experts are not implemented."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
     targets = []
@@ -116,25 +130,31 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             report.skipped.append(name)
         else:
             targets.append(name)
+    layers = {name: model.get_submodule(name) for name in targets}
+    if pruning in CALIBRATED_PRUNING:
+        from .sparsegpt import quantize_model_sparse
+
+        quantize_model_sparse(model, layers, report, weight_format, group_size, calibration, pruning, **options)
+        _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
+        return report
     if method == "gptq":
         from .gptq import quantize_model_gptq
 
-        quantize_model_gptq(model, {name: model.get_submodule(name) for name in targets}, report,
-                            weight_format, group_size, calibration, **gptq_options)
+        quantize_model_gptq(model, layers, report, weight_format, group_size, calibration, **options)
         _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
         return report
-    if calibration is not None or gptq_options:
-        raise ValueError(f"calibration/{sorted(gptq_options) or 'options'} are only used by method='gptq', "
-                         f"got method={method!r}")
+    if calibration is not None or options:
+        raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "
+                         f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
     for name in targets:
         linear = model.get_submodule(name)
         try:
-            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, method)
+            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, quantizer, sparsity=sparsity)
         except ValueError as e:  # name the layer
             raise ValueError(f"{name}: {e}") from e
         model.set_submodule(name, quantized)
         report.record(name, linear, quantized)
-    _quantize_experts(model, weight_format, group_size, include_p, exclude_p, method, report)
+    _quantize_experts(model, weight_format, group_size, include_p, exclude_p, quantizer, report)
     return report
 
 

@@ -43,14 +43,7 @@ def quantizer_names() -> Tuple[str, ...]:
 def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
                     method: str = "mse") -> QuantizedWeight:
     """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs."""
-    formats.check_weight_format(weight_format)
-    formats.check_group_size(group_size)
-    if method not in _QUANTIZERS:
-        raise ValueError(f"method must be one of {quantizer_names()}, got {method!r}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
-        raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
-    if weight.numel() == 0:
-        raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
+    check_float_weight(weight, weight_format, group_size, method)
     search = _NATIVE.get(_QUANTIZERS[method])
     if search is not None:
         return _quantize_native(weight, weight_format, group_size, search)
@@ -77,17 +70,37 @@ def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", 
         if not torch.isfinite(block).all():
             raise ValueError("weight contains NaN or Inf")
         chunk = torch.nn.functional.pad(block, (0, kp - k)).view(-1, kp // gs, gs)
-        c, s, z = _QUANTIZERS[method](chunk, weight_format, gs)
+        c, s, z, e = quantize_groups(chunk, weight_format, method)
         codes[r0:r0 + rows] = c.view(-1, kp)
         scales[r0:r0 + rows] = s
         if zeros is not None:
             zeros[r0:r0 + rows] = z
-        err2 += float(((_reconstruct(c, s, z, weight_format) - chunk) ** 2).sum())
+        err2 += e
         norm2 += float((chunk ** 2).sum())
     q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
                                    weight_format, group_size, in_features=k, out_features=n)
     q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
     return q
+
+
+def check_float_weight(weight, weight_format: str, group_size: int, method: str) -> None:
+    """The arguments every quantizer of a float linear weight [N, K] takes."""
+    formats.check_weight_format(weight_format)
+    formats.check_group_size(group_size)
+    if method not in _QUANTIZERS:
+        raise ValueError(f"method must be one of {quantizer_names()}, got {method!r}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or not weight.dtype.is_floating_point:
+        raise ValueError(f"weight must be a 2-D floating-point tensor [N, K], got {formats._describe(weight)}")
+    if weight.numel() == 0:
+        raise ValueError(f"weight must not be empty, got shape {list(weight.shape)}")
+
+
+def quantize_groups(groups: torch.Tensor, weight_format: str, method: str):
+    """Round groups [R, G, gs] (float32) with quantizer `method`: (codes [R, G, gs] uint8,
+    scales [R, G] fp16, zeros [R, G] fp16 or None, squared reconstruction error)."""
+    c, s, z = _QUANTIZERS[method](groups, weight_format, groups.shape[-1])
+    err2 = float(((_reconstruct(c, s, z, weight_format) - groups) ** 2).sum())
+    return c, s, z, err2
 
 
 def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):

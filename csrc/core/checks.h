@@ -32,4 +32,16 @@ QuantizedShape check_quantized(const at::Tensor& packed, const at::Tensor& scale
 void check_gemm_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
                        const at::Tensor& packed, const QuantizedShape& shape);
 
+// For every layout: the groups of K (K = `k_expr` in messages) and the
+// scales/zeros [groups, N] (with `stacked`: [E, groups, N]) against `weight`
+// (the layout's [*, N] or [E, *, N] tensor called `weight_name`: same E and
+// N, same device).
+QuantizedShape check_groups(WeightFormat format, int64_t k, const at::Tensor& weight, const char* weight_name,
+                            const char* k_expr, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                            const std::string& weight_format, int64_t group_size, bool stacked = false);
+
+// check_gemm_inputs for any layout: `weight_name` and `k_expr` for messages.
+void check_gemm_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& bias, const at::Tensor& weight,
+                       const QuantizedShape& shape, const char* weight_name, const char* k_expr);
+
 }  // namespace marlin

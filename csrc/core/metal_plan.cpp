@@ -4,16 +4,11 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace marlin {
 namespace metal {
-
-uint32_t group_rows_constant(int64_t group_size) {
-  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
-}
-
-static bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
 
 bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                   const c10::optional<at::Tensor>& zeros, int64_t n) {
@@ -50,6 +45,44 @@ void check_launch(const Launch& l) {
                         ": threadgroup memory ", l.threadgroup_memory, " for ", threads, " threads");
   for (int64_t g : l.grid) TORCH_INTERNAL_ASSERT(g >= 1 && g <= int64_t(UINT32_MAX), l.kernel, ": grid");
 }
+
+std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
+                         WeightFormat format, int64_t partial_floats) {
+  std::ostringstream o;
+  o << "\"M\":" << m << ",\"N\":" << n << ",\"K\":" << k << ",\"group_rows\":" << group_rows
+    << ",\"splits\":" << splits << ",\"dtype\":\"" << dtype_name(dtype) << "\",\"format\":\""
+    << weight_format_name(format) << "\",\"partial_floats\":" << partial_floats;
+  return o.str();
+}
+
+std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
+                                     int64_t unit_rows) {
+  int64_t splits = 1;
+  if (tiles < target) splits = std::max<int64_t>(1, std::min({ceil_div(target, tiles), kr / min_rows, kSplitMax}));
+  const int64_t rows = ceil_div(ceil_div(kr, splits), unit_rows) * unit_rows;
+  return {ceil_div(kr, rows), rows};
+}
+
+Launch reduce_launch(int64_t m, int64_t n, int64_t splits, at::ScalarType dtype, bool has_bias, int bias_arg) {
+  u32(splits * m * n, "workspace size");
+  Launch r;
+  r.source = "reduce";
+  r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
+  r.set(kFcHasBias, has_bias);
+  r.threadgroup = {kReduceOutputs, 1, 1};
+  r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
+  r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
+  r.bindings = {workspace(0), arg(1, bias_arg), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
+                scalar(5, splits, "splits")};
+  check_launch(r);
+  return r;
+}
+
+uint32_t group_rows_constant(int64_t group_size) {
+  return group_size == -1 ? 0u : static_cast<uint32_t>(group_size / kPackFactor);
+}
+
+bool aligned16(const at::Tensor& t) { return t.storage_offset() * t.element_size() % 16 == 0; }
 
 std::array<int64_t, 3> fit_threadgroup(const Launch& l, int64_t max_threads) {
   const int64_t planned = l.threadgroup[0] * l.threadgroup[1] * l.threadgroup[2];

@@ -80,16 +80,6 @@ struct Plan {
   std::string details;                 // JSON object members describing the problem (tests, benchmarks)
 };
 
-inline Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
-inline Binding output(int index) { return {index, Source::kOutput, 0, 0}; }
-inline Binding workspace(int index, int slot = 0) { return {index, Source::kWorkspace, slot, 0}; }
-uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
-inline Binding scalar(int index, int64_t value, const char* what) {
-  return {index, Source::kScalar, 0, u32(value, what)};
-}
-
-// marlin_group_rows: packed rows per group, 0 for one group over all of K.
-uint32_t group_rows_constant(int64_t group_size);
 // marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
 // be read as 16-byte vectors (an expert's slice of a stack too: its offset is
 // a multiple of N words or halves). Metal requires a bound buffer's offset to
@@ -98,6 +88,41 @@ bool vector_loads(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
                   const c10::optional<at::Tensor>& zeros, int64_t n);
 
 int64_t ceil_div(int64_t a, int64_t b);
+
+// Bindings of [[buffer(index)]]: the op's argument `slot`, an output, a workspace, a scalar.
+inline Binding arg(int index, int slot) { return {index, Source::kArg, slot, 0}; }
+inline Binding output(int index, int slot = 0) { return {index, Source::kOutput, slot, 0}; }
+inline Binding workspace(int index, int slot = 0) { return {index, Source::kWorkspace, slot, 0}; }
+uint32_t u32(int64_t v, const char* what);  // checked narrowing for scalar bindings
+inline Binding scalar(int index, int64_t value, const char* what) {
+  return {index, Source::kScalar, 0, u32(value, what)};
+}
+
+// K split (stripe-partitioned K-parallel, summed by marlin_reduce, docs/KERNELS.md):
+// the number of K slices of whole `unit_rows` rows (of `kr`), at least `min_rows`
+// each and at most kSplitMax, so that `tiles` output tiles make about `target`
+// threadgroups. Returns {splits, rows per slice}.
+inline constexpr int64_t kSplitTargetThreadgroups = 128;  // GEMMs: K-split when fewer output tiles
+inline constexpr int64_t kSplitMinK = 512;                // GEMMs: at least this much K per slice
+inline constexpr int64_t kSplitMax = 16;
+std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
+                                     int64_t unit_rows);
+
+// The K split's second launch: marlin_reduce (metal/marlin_reduce.h) sums the
+// fp32 partials [splits, m, n] (workspace 0) into the output, adding the bias
+// (the op's argument `bias_arg`).
+Launch reduce_launch(int64_t m, int64_t n, int64_t splits, at::ScalarType dtype, bool has_bias, int bias_arg);
+
+// The marlin_group_rows function constant: packed rows (8 K) per group, 0 for one group over all of K.
+uint32_t group_rows_constant(int64_t group_size);
+
+// Whether a tensor's data starts on a 16-byte boundary (Metal: a bound buffer's
+// offset must suit the vector loads a kernel makes; PyTorch tensors may start anywhere).
+bool aligned16(const at::Tensor& t);
+
+// Plan::details of a GEMM or dequantize plan (the problem, for tests and benchmarks).
+std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
+                         WeightFormat format, int64_t partial_floats);
 const char* dtype_name(at::ScalarType t);  // "f16", "bf16", "f32": kernel-name suffixes
 int64_t dtype_size(at::ScalarType t);
 void check_launch(const Launch& launch);    // internal limits (threadgroup memory, threads, grid)

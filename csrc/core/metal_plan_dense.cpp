@@ -4,7 +4,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <sstream>
 
 #include "core/checks.h"
 #include "core/metal_plan.h"
@@ -13,12 +12,8 @@ namespace marlin {
 namespace metal {
 namespace {
 
-// K split (stripe-partitioned, summed by marlin_reduce) when the output tiles
-// alone would leave most of a large GPU idle.
-constexpr int64_t kSplitTargetThreadgroups = 128;  // GEMMs: K-split when fewer output tiles
-constexpr int64_t kSplitMinK = 512;                // GEMMs: at least this much K per slice
-constexpr int64_t kSplitMax = 16;
-// GEMV: split when N / kGemvColumns is below 2 x 64 threadgroups (about twice
+// K split (k_slices in core/metal_plan.h) when the output tiles alone would
+// leave most of a large GPU idle. GEMV: split when N / kGemvColumns is below 2 x 64 threadgroups (about twice
 // the GPU cores of an M1 Ultra; M2/M3 Ultra have 76/80), each slice at least one
 // block per planned simdgroup. N = 4096 is not split: the dependent reduce
 // dispatch would cost more than the imbalance it removes (to be tuned on
@@ -33,26 +28,6 @@ enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };
 // Fused dequant-in-registers GEMM (metal/marlin_gemm_fused.h): M-tile rows.
 int64_t fused_tile_m(int64_t m) { return m <= 32 ? 32 : 64; }
 
-// Number of K slices (of whole `unit_rows` packed rows, at least `min_rows`
-// each, at most kSplitMax) so that `tiles` output tiles make about `target`
-// threadgroups. Returns {splits, packed rows per slice}.
-std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
-                                     int64_t unit_rows) {
-  int64_t splits = 1;
-  if (tiles < target) splits = std::max<int64_t>(1, std::min({ceil_div(target, tiles), kr / min_rows, kSplitMax}));
-  const int64_t rows = ceil_div(ceil_div(kr, splits), unit_rows) * unit_rows;
-  return {ceil_div(kr, rows), rows};
-}
-
-std::string details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,
-                    WeightFormat format, int64_t partial_floats) {
-  std::ostringstream o;
-  o << "\"M\":" << m << ",\"N\":" << n << ",\"K\":" << k << ",\"group_rows\":" << group_rows
-    << ",\"splits\":" << splits << ",\"dtype\":\"" << dtype_name(dtype) << "\",\"format\":\""
-    << weight_format_name(format) << "\",\"partial_floats\":" << partial_floats;
-  return o.str();
-}
-
 Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                const c10::optional<at::Tensor>& zeros, const c10::optional<at::Tensor>& bias,
                c10::string_view weight_format, int64_t group_size) {
@@ -66,7 +41,7 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   p.outputs = {{"out", {m, n}, dtype}};
   p.result_shape = x.sizes().vec();
   p.result_shape.back() = n;
-  p.details = details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
+  p.details = gemm_details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
   if (m == 0) return p;  // empty output, nothing to launch
   // Kernels index with 32-bit sizes and 64-bit offsets: any M, N, K < 2^32.
   u32(m, "M");
@@ -121,21 +96,8 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   // workspace is still bound, but never written, without a split).
   const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
   p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
-  p.details = details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
-  if (splits > 1) {
-    u32(partial_floats, "workspace size");
-    Launch r;
-    r.source = "reduce";
-    r.kernel = std::string("marlin_reduce_") + dtype_name(dtype);
-    r.set(kFcHasBias, has_bias);
-    r.threadgroup = {kReduceOutputs, 1, 1};
-    r.min_threads_x = kSimdWidth;  // loops over its outputs with the threads it gets
-    r.grid = {ceil_div(m * n, kReduceOutputs), 1, 1};
-    r.bindings = {workspace(0), arg(1, kGemmBias), output(2), scalar(3, m, "M"), scalar(4, n, "N"),
-                  scalar(5, splits, "splits")};
-    check_launch(r);
-    p.launches.push_back(std::move(r));
-  }
+  p.details = gemm_details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
+  if (splits > 1) p.launches.push_back(reduce_launch(m, n, splits, dtype, has_bias, kGemmBias));
   return p;
 }
 
@@ -149,7 +111,7 @@ Plan plan_dequantize(const at::Tensor& packed, const at::Tensor& scales, const c
   p.op = "dequantize";
   p.outputs = {{"out", {s.k, s.n}, out}};
   p.result_shape = {s.k, s.n};
-  p.details = details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
+  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
   Launch l;
   l.source = "dequant";
   l.kernel = std::string("marlin_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);

@@ -196,8 +196,8 @@ def test_interrupted_conversion_leaves_nothing(src, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    original = float_source.quantize_weight
-    monkeypatch.setattr(float_source, "quantize_weight", interrupt)
+    original = float_source.QuantizedWeight.from_float  # the dense layout's quantizer
+    monkeypatch.setattr(float_source.QuantizedWeight, "from_float", interrupt)
     with pytest.raises(KeyboardInterrupt):
         convert(str(src), str(tmp_path / "dst"), progress=False)
     assert not (tmp_path / "dst").exists() and leftovers(str(tmp_path), "dst") == []

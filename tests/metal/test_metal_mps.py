@@ -86,3 +86,24 @@ def test_non_contiguous_and_offset_inputs_on_device():
     out = torch.ops.marlin.gemm(big_d[1:4, 10:266], packed.to("mps"), scales.to("mps"), None, b_d[1:],
                                 "fp4", 32)
     assert rel_err(out.cpu(), ref) <= GEMM_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m", (1, 3, 8, 16, 33, 130))
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_sparse24_on_device(fmt, dtype, m):
+    from test_metal_sparse24 import K_FOR_GROUP as SPARSE_K, make_sparse
+
+    for i, group_size in enumerate(GROUP_SIZES):
+        gen = torch.Generator().manual_seed(100 * m + i)
+        values, metadata, scales, zeros = make_sparse(fmt, SPARSE_K[group_size], 83, group_size, gen)
+        x = torch.randn(m, SPARSE_K[group_size], generator=gen).to(dtype)
+        b = torch.randn(83, generator=gen).to(dtype)
+        ref = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, b, fmt, group_size)
+        out = torch.ops.marlin.sparse24_gemm(_to(x), _to(values), _to(metadata), _to(scales), _to(zeros), _to(b),
+                                             fmt, group_size)
+        assert rel_err(out.cpu(), ref) <= GEMM_TOL[dtype]
+        deq = torch.ops.marlin.sparse24_dequantize(_to(values), _to(metadata), _to(scales), _to(zeros), fmt,
+                                                   group_size, dtype).cpu()
+        ref_deq = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, fmt, group_size, dtype)
+        assert rel_err(deq, ref_deq) <= (2.0 ** -10 if fmt == "uint4" else 0.0)

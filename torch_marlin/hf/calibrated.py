@@ -1,6 +1,7 @@
-"""`torch-marlin convert SRC DST --method gptq --calibration FILE`: calibrated conversion.
+"""`torch-marlin convert SRC DST --method gptq --calibration FILE`: calibrated conversion
+(also `--sparsity 2:4 --method sparsegpt | wanda`, docs/SPARSITY.md).
 
-Unlike the streaming converter, GPTQ needs the model running: the float model
+Unlike the streaming converter, GPTQ (and calibrated pruning) needs the model running: the float model
 is loaded with transformers (in float32 or bfloat16, on the CPU), the calibration text is
 tokenized with the model's own tokenizer, `quantize_model(method="gptq")`
 quantizes the linear layers in forward order, and the result is written as an
@@ -32,6 +33,7 @@ from .. import formats
 from ..calibration import CalibrationError
 from ..gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP
 from ..model import QuantizationReport, matches_any, quantize_model
+from ..sparsity import CALIBRATED_PRUNING, split_method
 from .config import build_quantization_config
 from .layout import layout_of_model
 from .convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_paths
@@ -57,15 +59,16 @@ class CalibratedConversion:
     def __str__(self) -> str:
         mib = 2.0 ** -20
         errors = self.report.output_errors.values()
-        lines = [f"GPTQ: {len(self.report.replaced)} linear layers quantized on {self.samples} calibration "
+        method, baseline = self.report.method_name, self.report.baseline_name
+        lines = [f"{method}: {len(self.report.replaced)} linear layers quantized on {self.samples} calibration "
                  f"samples ({self.tokens} tokens); {len(self.layers_in_float)} left in float"]
         if errors:
             rtn = sum(e[0] for e in errors) / len(errors)
             gptq = sum(e[1] for e in errors) / len(errors)
-            lines.append(f"mean relative output error on the calibration data: round to nearest {rtn:.4f} "
-                         f"-> GPTQ {gptq:.4f}")
+            lines.append(f"mean relative output error on the calibration data: {baseline} {rtn:.4f} "
+                         f"-> {method} {gptq:.4f}")
         if self.report.unreached:
-            lines.append(f"never reached by the calibration data (round to nearest): "
+            lines.append(f"never reached by the calibration data ({baseline}): "
                          f"{', '.join(self.report.unreached)}")
         lines += [f"  - {note}" for note in self.notes]
         lines.append(f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB")
@@ -160,11 +163,18 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                              exclude: Sequence[str] = (), dtype: Optional[str] = None,
                              quantize_lm_head: bool = False, overwrite: bool = False,
                              max_shard_bytes: int = 2 * 2 ** 30,
-                             calibration_dtype: str = "float32") -> CalibratedConversion:
+                             calibration_dtype: str = "float32", method: str = "gptq",
+                             sparsity: Optional[str] = None) -> CalibratedConversion:
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
     write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
-    in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact)."""
+    in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact).
+    method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md)."""
     start = time.time()
+    split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
+    if method not in ("gptq",) + CALIBRATED_PRUNING:
+        raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda', got {method!r}")
+    if act_order and method != "gptq":
+        raise ValueError(f"act_order is a GPTQ option, got method={method!r}")
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
     if dtype is not None and dtype not in DTYPES:
@@ -194,8 +204,9 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     targets, layers_in_float = _choose_layers(model, exclude, quantize_lm_head)
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
-    report = quantize_model(model, weight_format, group_size, include=targets, method="gptq",
-                            calibration=batches, act_order=act_order, damp=damp, block_size=block_size)
+    options = {"act_order": act_order} if method == "gptq" else {}
+    report = quantize_model(model, weight_format, group_size, include=targets, method=method, sparsity=sparsity,
+                            calibration=batches, damp=damp, block_size=block_size, **options)
     out_dtype = DTYPES[dtype] if dtype is not None else source_dtype
     model.to(out_dtype)  # layers in float back to the source's dtype; scales stay fp16
     modules = {}
@@ -205,9 +216,11 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                          "in_features": layer.in_features, "out_features": layer.out_features}
         if getattr(layer, "input_perm", None) is not None:
             modules[name]["act_order"] = True
-    description = {"method": "float", "quantizer": "gptq", "act_order": bool(act_order), "damp": damp,
+        if layer.quantized_weight().SPARSITY is not None:
+            modules[name]["sparsity"] = layer.quantized_weight().SPARSITY
+    description = {"method": "float", "quantizer": method, "act_order": bool(act_order), "damp": damp,
                    "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens,
-                   "calibration_dtype": calibration_dtype}
+                   "calibration_dtype": calibration_dtype, **({"sparsity": sparsity} if sparsity else {})}
     config = build_quantization_config(_Described(description), modules, layers_in_float)
     model.config.quantization_config = config
     model.config.dtype = str(out_dtype).replace("torch.", "")
@@ -244,7 +257,7 @@ def _load_float_model(src: str, transformers, run_dtype: torch.dtype):
         config = json.load(f)
     if config.get("quantization_config"):
         method = config["quantization_config"].get("quant_method")
-        raise CheckpointError(f"{src} is already quantized ({method}); --method gptq needs a float model")
+        raise CheckpointError(f"{src} is already quantized ({method}); calibrated conversion needs a float model")
     model_class = next((getattr(transformers, a) for a in config.get("architectures") or []
                         if hasattr(transformers, a)), transformers.AutoModel)
     source_dtype = DTYPES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), torch.float32)

@@ -4,7 +4,8 @@
      "weight_format": "fp4", "group_size": 128,          # most common, for display
      "modules": {"model.layers.0.self_attn.q_proj":      # every quantized layer
                  {"weight_format": "fp4", "group_size": 128,
-                  "in_features": 64, "out_features": 64, "act_order": true?},
+                  "in_features": 64, "out_features": 64, "act_order": true?,
+                  "sparsity": "2:4"?},                    # 2:4 sparse layout (docs/FORMAT.md)
                  "model.layers.0.mlp.experts.gate_up_proj":  # every quantized expert stack
                  {"layout": "experts", "num_experts": 128, "weight_format": "fp4", ...}},
      "modules_to_not_convert": ["lm_head", ...],         # linear layers left in float
@@ -20,6 +21,7 @@ from collections import Counter
 from typing import Dict, List
 
 from .. import formats
+from ..layouts import layout_for_sparsity
 from .errors import CheckpointError
 
 QUANT_METHOD = "torch_marlin"
@@ -30,7 +32,7 @@ LAYOUTS = ("dense", "experts")  # a module entry's "layout" (absent: dense)
 def build_quantization_config(importer, modules: Dict[str, dict], layers_in_float: List[str]) -> dict:
     common = Counter((m["weight_format"], m["group_size"]) for m in modules.values()).most_common(1)
     weight_format, group_size = common[0][0] if common else ("fp4", 128)
-    return {
+    config = {
         "quant_method": QUANT_METHOD,
         "format_version": FORMAT_VERSION,
         "weight_format": weight_format,
@@ -39,6 +41,10 @@ def build_quantization_config(importer, modules: Dict[str, dict], layers_in_floa
         "modules_to_not_convert": sorted(layers_in_float),
         "source": importer.description(),
     }
+    sparsity = Counter(m.get("sparsity") for m in modules.values()).most_common(1)
+    if sparsity and sparsity[0][0] is not None:
+        config["sparsity"] = sparsity[0][0]  # for display, like weight_format
+    return config
 
 
 def validate_quantization_config(qc: dict) -> Dict[str, dict]:
@@ -59,6 +65,7 @@ def validate_quantization_config(qc: dict) -> Dict[str, dict]:
             layout = entry.get("layout", "dense")
             if layout not in LAYOUTS:
                 raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+            layout_for_sparsity(entry.get("sparsity"))
             for key in ("in_features", "out_features") + (("num_experts",) if layout == "experts" else ()):
                 if isinstance(entry[key], bool) or not isinstance(entry[key], int) or entry[key] <= 0:
                     raise ValueError(f"{key} must be a positive int, got {entry[key]!r}")

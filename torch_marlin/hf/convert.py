@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import formats
-from ..layouts import QuantizedExperts
+from ..layouts import QuantizedExperts, layout_for_sparsity
 from ..quantize import QuantizedWeight, quantizer_names
 from .checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
 from .config import build_quantization_config
@@ -49,7 +49,8 @@ class ConversionSummary:
     quantized_params: int = 0  # weights (N*K) of converted layers
     quantized_bytes: int = 0  # packed + scales (+ zeros) of converted layers
     mean_relative_error: Optional[float] = None  # float sources only
-    formats: Dict[str, int] = field(default_factory=dict)  # "fp4/g128" -> layer count
+    formats: Dict[str, int] = field(default_factory=dict)  # "fp4/g128" (or "fp4/g128/2:4") -> layer count
+    already_sparse: List[str] = field(default_factory=list)  # sparsity: layers that were already 2:4
     notes: List[str] = field(default_factory=list)  # inexact values, dropped tensors
     seconds: float = 0.0
     output: str = ""
@@ -71,6 +72,8 @@ class ConversionSummary:
         ]
         if self.mean_relative_error is not None:
             lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
+        if self.already_sparse:
+            lines.append(f"{len(self.already_sparse)} layers were already 2:4 sparse and kept their pattern")
         if self.notes:
             lines.append(f"{len(self.notes)} warnings (values not exactly representable or dropped):")
             lines += [f"  - {note}" for note in self.notes[:20]]
@@ -84,7 +87,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
-            revision: Optional[str] = None) -> ConversionSummary:
+            revision: Optional[str] = None, sparsity: Optional[str] = None) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
@@ -93,9 +96,12 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     weight_format/group_size/quantizer/exclude/quantize_lm_head apply to float
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
+    `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
+    a weight that is already 2:4 (trained sparse) keeps its pattern.
     """
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
+    layout_for_sparsity(sparsity)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
     if quantizer not in quantizer_names():
@@ -114,7 +120,10 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     if method is None:
         importer: Importer = FloatSource(source, layout=layout, weight_format=weight_format,
                                          group_size=group_size, quantizer=quantizer, exclude=list(exclude),
-                                         quantize_lm_head=quantize_lm_head)
+                                         quantize_lm_head=quantize_lm_head, sparsity=sparsity)
+    elif sparsity is not None:
+        raise ValueError(f"sparsity={sparsity!r} applies to float sources; {src} is already quantized "
+                         f"({method}) and is repacked as it is")
     else:
         importer = make_importer(source, method, source_config)
     if not layout.exact:
@@ -214,6 +223,8 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
                          "in_features": q.in_features, "out_features": q.out_features}
         if isinstance(q, QuantizedExperts):
             modules[name].update(layout="experts", num_experts=q.num_experts)
+        if q.SPARSITY is not None:
+            modules[name]["sparsity"] = q.SPARSITY
         if layer.input_perm is not None:
             modules[name]["act_order"] = True
         _write_layer(name, layer, modules[name], None if module in parts else plans[module].bias_key, source,
@@ -222,9 +233,9 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
             summary.stacks_converted += 1
         else:
             summary.layers_converted += 1
-        summary.quantized_params += q.packed.numel() // q.packed.shape[-2] * q.in_features
+        summary.quantized_params += q.num_weights
         summary.quantized_bytes += q.nbytes
-        tag = f"{q.weight_format}/g{q.group_size}"
+        tag = f"{q.weight_format}/g{q.group_size}" + (f"/{q.SPARSITY}" if q.SPARSITY else "")
         summary.formats[tag] = summary.formats.get(tag, 0) + 1
         if isinstance(importer, FloatSource):
             errors.append(q.relative_error)
@@ -238,6 +249,7 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
         importer.note(f"{experts} stays in float: {reason}")
     if errors:
         summary.mean_relative_error = sum(errors) / len(errors)
+    summary.already_sparse = list(getattr(importer, "already_sparse", []))
     return summary, modules
 
 
@@ -310,10 +322,8 @@ def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Opti
     """The layer's tensors under its module's state_dict names (MarlinLinear, MarlinExpertsLinear; docs/FORMAT.md)."""
     q = layer.qweight
     writer.add(f"{module}._extra_state", layout_state(entry))
-    writer.add(f"{module}.packed", q.packed)
-    writer.add(f"{module}.scales", q.scales)
-    if q.zeros is not None:
-        writer.add(f"{module}.zeros", q.zeros)
+    for name, tensor in q.tensors().items():  # the layout's tensors (dense: packed, scales, zeros)
+        writer.add(f"{module}.{name}", tensor)
     if layer.input_perm is not None:
         writer.add(f"{module}.input_perm", layer.input_perm)
     bias = layer.bias if layer.bias is not None else (None if bias_key is None else source.load(bias_key))

@@ -84,7 +84,7 @@ def empty_marlin(entry: dict, bias: bool = False, device="meta", dtype=None) -> 
                                    entry["weight_format"], entry["group_size"], device=device, dtype=dtype)
     cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
     return cls(entry["in_features"], entry["out_features"], bias, entry["weight_format"], entry["group_size"],
-               device=device, dtype=dtype)
+               device=device, dtype=dtype, sparsity=entry.get("sparsity"))
 
 
 def layout_state(entry: dict) -> torch.Tensor:

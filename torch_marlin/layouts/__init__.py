@@ -2,8 +2,10 @@
 metadata are arranged in tensors. One module per layout; each registers
 itself with base.register_layout."""
 
-from .base import QuantizedLayout, layout_by_code, register_layout
+from .base import QuantizedLayout, layout_by_code, layout_for_sparsity, register_layout
 from .dense import QuantizedWeight
 from .experts import QuantizedExperts
+from .sparse24 import SparseQuantizedWeight
 
-__all__ = ["QuantizedExperts", "QuantizedLayout", "QuantizedWeight", "layout_by_code", "register_layout"]
+__all__ = ["QuantizedExperts", "QuantizedLayout", "QuantizedWeight", "SparseQuantizedWeight", "layout_by_code",
+           "layout_for_sparsity", "register_layout"]

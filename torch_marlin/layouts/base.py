@@ -19,16 +19,31 @@ import torch
 
 from .. import formats
 
-# LAYOUT_CODE -> class, filled by register_layout.
+# LAYOUT_CODE -> class, and sparsity string ("2:4") -> class, filled by register_layout.
 _LAYOUTS: Dict[int, Type["QuantizedLayout"]] = {}
+_SPARSITIES: Dict[str, Type["QuantizedLayout"]] = {}
 
 
 def register_layout(cls: Type["QuantizedLayout"]) -> Type["QuantizedLayout"]:
-    """Class decorator: makes a layout known to MarlinLinear's state_dict guard."""
+    """Class decorator: makes a layout known to MarlinLinear's state_dict guard
+    (and, if it sets SPARSITY, to `sparsity=` arguments)."""
     if cls.LAYOUT_CODE in _LAYOUTS:
         raise ValueError(f"layout code {cls.LAYOUT_CODE} is taken by {_LAYOUTS[cls.LAYOUT_CODE].__name__}")
+    if cls.SPARSITY is not None and cls.SPARSITY in _SPARSITIES:
+        raise ValueError(f"sparsity {cls.SPARSITY!r} is taken by {_SPARSITIES[cls.SPARSITY].__name__}")
     _LAYOUTS[cls.LAYOUT_CODE] = cls
+    if cls.SPARSITY is not None:
+        _SPARSITIES[cls.SPARSITY] = cls
     return cls
+
+
+def layout_for_sparsity(sparsity: Optional[str]) -> Optional[Type["QuantizedLayout"]]:
+    """The layout class of a `sparsity=` argument ("2:4"); None for None (dense)."""
+    if sparsity is None:
+        return None
+    if not isinstance(sparsity, str) or sparsity not in _SPARSITIES:
+        raise ValueError(f"sparsity must be None or one of {sorted(_SPARSITIES)}, got {sparsity!r}")
+    return _SPARSITIES[sparsity]
 
 
 def layout_by_code(code: int) -> Optional[Type["QuantizedLayout"]]:
@@ -48,6 +63,7 @@ class QuantizedLayout:
     # identifies the layout and its version. Persisted: never reuse a code.
     LAYOUT_CODE: ClassVar[int]
     TENSORS: ClassVar[Tuple[str, ...]]  # tensor attributes, in state_dict order (None when absent)
+    SPARSITY: ClassVar[Optional[str]] = None  # the `sparsity=` string that selects this layout ("2:4")
     FP16_TENSORS: ClassVar[Tuple[str, ...]] = ("scales", "zeros")  # stay fp16 under .half()/.to(dtype)
 
     weight_format: str
@@ -62,6 +78,13 @@ class QuantizedLayout:
               device=None, **shape) -> "QuantizedLayout":
         """A zero-filled weight of this shape (what a module registers as buffers). `shape`
         holds a layout's further dimensions (the expert stack's num_experts)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, weight_format: str, group_size: int,
+                   method: str = "mse") -> "QuantizedLayout":
+        """Quantize a float nn.Linear weight [N, K] into this layout (`method`: a quantizer
+        of torch_marlin.quantize); what MarlinLinear.from_linear calls."""
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -79,6 +102,10 @@ class QuantizedLayout:
         (2-D layouts; expert stacks have routed_linear instead)."""
         raise NotImplementedError
 
+    def check_contents(self) -> None:
+        """Raise ValueError if the tensors' contents (not only shapes) break the layout's
+        rules; MarlinLinear calls it after loading a state_dict. Default: nothing to check."""
+
     def descriptor_extra(self) -> List[int]:
         """Layout-specific integers appended to the state_dict descriptor."""
         return []
@@ -92,6 +119,11 @@ class QuantizedLayout:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def num_weights(self) -> int:
+        """Weights this represents (K unpadded); stacked layouts multiply by their count."""
+        return self.in_features * self.out_features
 
     def to(self, device) -> "QuantizedLayout":
         """The same weight with its tensors on `device` (fp16 metadata stays fp16)."""

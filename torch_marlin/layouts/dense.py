@@ -92,6 +92,12 @@ class QuantizedWeight(QuantizedLayout):
         return QuantizedWeight(self.packed, self.scales, torch.full_like(self.scales, formats.INT4_OFFSET), "uint4",
                                self.group_size, self.in_features, self.out_features)
 
+    @classmethod
+    def from_float(cls, weight, weight_format, group_size, method="mse") -> "QuantizedWeight":
+        from ..quantize import quantize_weight
+
+        return quantize_weight(weight, weight_format, group_size, method)
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W as [N, in_features] (reference path, float64 inside)."""
         b = formats.dequantize_reference(self.packed, self.scales, self.zeros,

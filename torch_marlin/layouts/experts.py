@@ -80,6 +80,10 @@ class QuantizedExperts(QuantizedLayout):
         return self.packed.shape[0]
 
     @property
+    def num_weights(self) -> int:
+        return self.num_experts * self.in_features * self.out_features
+
+    @property
     def padded_in_features(self) -> int:
         return self.packed.shape[1] * formats.PACK_FACTOR
 

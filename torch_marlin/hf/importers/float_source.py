@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from ...experts import linear_stack, quantize_experts
+from ...layouts import QuantizedWeight, layout_for_sparsity
 from ...linear import linear_weight
 from ...model import matches_any
-from ...quantize import quantize_weight
+from ...sparsity import is_2to4
 from ..layout import ModelLayout, expert_parts, float_linear_modules
 from ..errors import CheckpointError
 from .base import ConvertedLayer, Importer, LayerPlan
@@ -22,7 +23,9 @@ class FloatSource(Importer):
     quantizer: str = "mse"
     exclude: Sequence[str] = ()
     quantize_lm_head: bool = False
+    sparsity: Optional[str] = None  # "2:4": magnitude pruning (a weight already 2:4 keeps its pattern)
     skipped: List[str] = field(default_factory=list)  # linear layers / stacks left in float, with reason
+    already_sparse: List[str] = field(default_factory=list)  # with sparsity: weights that were already 2:4
 
     def plan(self) -> Dict[str, LayerPlan]:
         plans = {}
@@ -90,7 +93,11 @@ class FloatSource(Importer):
                 weight = linear_stack(weight, self.layout.stacks[stack].transposed)
                 return ConvertedLayer(quantize_experts(weight, self.weight_format, self.group_size, self.quantizer))
             conv1d = model_name is not None and self.layout.linears[model_name].kind == "conv1d"
-            q = quantize_weight(linear_weight(weight, conv1d), self.weight_format, self.group_size, self.quantizer)
+            weight = linear_weight(weight, conv1d)
+            layout = layout_for_sparsity(self.sparsity) or QuantizedWeight
+            if self.sparsity is not None and is_2to4(weight):
+                self.already_sparse.append(module)
+            q = layout.from_float(weight, self.weight_format, self.group_size, self.quantizer)
         except ValueError as e:
             raise CheckpointError(f"{plan.keys[0]}: {e}") from e
         return ConvertedLayer(q)
@@ -99,4 +106,7 @@ class FloatSource(Importer):
         return sorted(self.skipped)
 
     def description(self) -> dict:
-        return {"method": "float", "quantizer": self.quantizer}
+        described = {"method": "float", "quantizer": self.quantizer}
+        if self.sparsity is not None:
+            described.update(sparsity=self.sparsity, pruning="magnitude", already_sparse=len(self.already_sparse))
+        return described

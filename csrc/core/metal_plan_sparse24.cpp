@@ -1,0 +1,118 @@
+// Metal dispatch of the 2:4 sparse layout (sparse24_gemm, sparse24_dequantize):
+// which of metal/sparse24_{gemv,gemm,dequant}.metal to launch, how. Argument
+// checks are the CPU op's (core/sparse24_checks.h). The K split and its
+// reduction (marlin_reduce, metal/marlin_reduce.h) are the dense GEMMs'.
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "core/metal_plan.h"
+#include "core/sparse24_checks.h"
+
+namespace marlin {
+namespace metal {
+namespace {
+
+// Argument numbers in the schemas (csrc/registration.cpp).
+enum GemmArg { kGemmX = 0, kGemmValues, kGemmMetadata, kGemmScales, kGemmZeros, kGemmBias };
+enum DequantizeArg { kDequantValues = 0, kDequantMetadata, kDequantScales, kDequantZeros };
+
+Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& metadata,
+                        const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
+                        const c10::optional<at::Tensor>& bias, c10::string_view weight_format, int64_t group_size) {
+  const QuantizedShape s = check_sparse24(values, metadata, scales, zeros, std::string(weight_format), group_size);
+  check_sparse24_gemm_inputs(x, bias, values, s);
+  const int64_t m = x.numel() / s.k, n = s.n, k = s.k;
+  const at::ScalarType dtype = x.scalar_type();
+  const bool has_bias = bias.has_value();
+  Plan p;
+  p.op = "sparse24_gemm";
+  p.outputs = {{"out", {m, n}, dtype}};
+  p.result_shape = x.sizes().vec();
+  p.result_shape.back() = n;
+  p.details = gemm_details(m, n, k, s.group_rows, 1, dtype, s.format, 0);
+  if (m == 0) return p;
+  u32(m, "M");
+  const std::string suffix = std::string(weight_format_name(s.format)) + "_" + dtype_name(dtype);
+
+  if (m <= kGemvMaxRows) {
+    const int64_t mr = m == 1 ? 1 : (m <= 4 ? 4 : 8);
+    Launch l;
+    l.source = "sparse24_gemv";
+    l.kernel = "marlin_sparse24_gemv_" + suffix + "_m" + std::to_string(mr);
+    l.set(kFcHasBias, has_bias);
+    l.set(kFcGroupRows, group_rows_constant(group_size));
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
+    l.grid = {ceil_div(n, kGemvColumns), 1, 1};
+    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(mr));
+    l.bindings = {arg(0, kGemmX),      arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
+                  arg(4, kGemmZeros),  arg(5, kGemmBias),   output(6),             scalar(7, m, "M"),
+                  scalar(8, n, "N"),   scalar(9, k, "K")};
+    check_launch(l);
+    p.launches.push_back(std::move(l));
+    return p;
+  }
+
+  // Fragments decoded in registers for every M > 8: TM x 64 tiles (TM 32 or 64).
+  const int64_t tm = m <= 32 ? 32 : 64;
+  const int64_t tiles = ceil_div(n, kGemmTileN) * ceil_div(m, tm);
+  // K split as the dense GEMMs, in values rows: whole 32-deep stages (2 values rows, one metadata row).
+  const auto [splits, split_rows] = k_slices(tiles, k / kSparseValueRows, kSplitTargetThreadgroups,
+                                             kSplitMinK / kSparseValueRows, kSparseGemmTileK / kSparseValueRows);
+
+  Launch l;
+  l.source = "sparse24_gemm";
+  l.kernel = "marlin_sparse24_gemm_" + suffix + "_tm" + std::to_string(tm);
+  l.threadgroup_memory = 2 * tm * kSparseGemmTileK * dtype_size(dtype);  // double-buffered x tile
+  l.set(kFcHasBias, has_bias && splits == 1);
+  l.set(kFcWritePartial, splits > 1);
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  l.threadgroup = {kGemmThreads, 1, 1};
+  l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+  l.bindings = {arg(0, kGemmX),          arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
+                arg(4, kGemmZeros),      arg(5, kGemmBias),   output(6),             workspace(7),
+                scalar(8, m, "M"),       scalar(9, n, "N"),   scalar(10, k, "K"),    scalar(11, split_rows, "split rows")};
+  check_launch(l);
+  p.launches.push_back(std::move(l));
+
+  const int64_t partial_floats = splits > 1 ? splits * m * n : 0;
+  p.workspaces = {{"partial", {std::max<int64_t>(partial_floats, 4)}, at::kFloat}};
+  p.details = gemm_details(m, n, k, s.group_rows, splits, dtype, s.format, partial_floats);
+  if (splits > 1) p.launches.push_back(reduce_launch(m, n, splits, dtype, has_bias, kGemmBias));
+  return p;
+}
+
+Plan plan_sparse24_dequantize(const at::Tensor& values, const at::Tensor& metadata, const at::Tensor& scales,
+                              const c10::optional<at::Tensor>& zeros, c10::string_view weight_format,
+                              int64_t group_size, c10::optional<at::ScalarType> dtype) {
+  const QuantizedShape s = check_sparse24(values, metadata, scales, zeros, std::string(weight_format), group_size);
+  const at::ScalarType out = dtype.value_or(at::kHalf);
+  TORCH_CHECK(out == at::kHalf || out == at::kBFloat16 || out == at::kFloat,
+              "dtype must be float16, bfloat16 or float32, got ", out);
+  Plan p;
+  p.op = "sparse24_dequantize";
+  p.outputs = {{"out", {s.k, s.n}, out}};
+  p.result_shape = {s.k, s.n};
+  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
+  Launch l;
+  l.source = "sparse24_dequant";
+  l.kernel = std::string("marlin_sparse24_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);
+  const int64_t value_rows = s.k / kSparseValueRows;
+  l.threadgroup = {kDequantColumns, kDequantRows, 1};
+  l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(value_rows, kDequantRows), 1};
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  l.bindings = {arg(0, kDequantValues), arg(1, kDequantMetadata), arg(2, kDequantScales), arg(3, kDequantZeros),
+                output(4), scalar(5, s.n, "N"), scalar(6, value_rows, "K/16")};
+  check_launch(l);
+  p.launches.push_back(std::move(l));
+  return p;
+}
+
+}  // namespace
+
+MARLIN_REGISTER_METAL_OP(sparse24_gemm, plan_sparse24_gemm)
+MARLIN_REGISTER_METAL_OP(sparse24_dequantize, plan_sparse24_dequantize)
+
+}  // namespace metal
+}  // namespace marlin
