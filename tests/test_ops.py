@@ -40,7 +40,7 @@ def assert_close_to_reference(y, x, b64, bias=None):
 @pytest.mark.parametrize("group_size", GROUP_SIZES)
 @pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
 def test_gemm_matches_float64_reference(weight_format, group_size, dtype):
-    for m, n, k in [(1, 64, 512), (2, 7, 256), (3, 200, 512), (8, 33, 256), (13, 130, 512), (16, 64, 256),
+    for m, n, k in [(1, 64, 512), (1, 1100, 256), (2, 7, 256), (3, 200, 512), (8, 33, 256), (13, 130, 512), (16, 64, 256),
                     (17, 72, 256), (33, 64, 768), (130, 65, 256)]:
         if group_size > 0 and k % group_size:
             continue
