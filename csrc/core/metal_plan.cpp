@@ -55,6 +55,27 @@ std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, in
   return o.str();
 }
 
+Plan dequantize_plan(const char* op, const char* source, const char* kernel_prefix, const QuantizedShape& s,
+                     int64_t group_size, int64_t word_rows, c10::optional<at::ScalarType> dtype) {
+  const at::ScalarType out = dtype.value_or(at::kHalf);
+  TORCH_CHECK(out == at::kHalf || out == at::kBFloat16 || out == at::kFloat,
+              "dtype must be float16, bfloat16 or float32, got ", out);
+  Plan p;
+  p.op = op;
+  p.outputs = {{"out", {s.k, s.n}, out}};
+  p.result_shape = {s.k, s.n};
+  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
+  Launch l;
+  l.source = source;
+  l.kernel = std::string(kernel_prefix) + weight_format_name(s.format) + "_" + dtype_name(out);
+  l.threadgroup = {kDequantColumns, kDequantRows, 1};
+  l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(word_rows, kDequantRows), 1};
+  l.set(kFcGroupRows, group_rows_constant(group_size));
+  check_launch(l);
+  p.launches.push_back(std::move(l));
+  return p;
+}
+
 std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
                                      int64_t unit_rows) {
   int64_t splits = 1;

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/checks.h"  // QuantizedShape
 #include "core/formats.h"
 
 namespace marlin {
@@ -119,6 +120,13 @@ uint32_t group_rows_constant(int64_t group_size);
 // Whether a tensor's data starts on a 16-byte boundary (Metal: a bound buffer's
 // offset must suit the vector loads a kernel makes; PyTorch tensors may start anywhere).
 bool aligned16(const at::Tensor& t);
+
+// A dequantize op's plan without bindings: out [K, N] in `dtype` (default
+// float16) and one launch of `<kernel_prefix><format>_<dtype>` over tiles of
+// kDequantColumns x kDequantRows of the layout's `word_rows` rows; the caller
+// binds the launch's buffers.
+Plan dequantize_plan(const char* op, const char* source, const char* kernel_prefix, const QuantizedShape& s,
+                     int64_t group_size, int64_t word_rows, c10::optional<at::ScalarType> dtype);
 
 // Plan::details of a GEMM or dequantize plan (the problem, for tests and benchmarks).
 std::string gemm_details(int64_t m, int64_t n, int64_t k, int64_t group_rows, int64_t splits, at::ScalarType dtype,

@@ -104,24 +104,9 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
 Plan plan_dequantize(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                      c10::string_view weight_format, int64_t group_size, c10::optional<at::ScalarType> dtype) {
   const QuantizedShape s = check_quantized(packed, scales, zeros, std::string(weight_format), group_size);
-  const at::ScalarType out = dtype.value_or(at::kHalf);
-  TORCH_CHECK(out == at::kHalf || out == at::kBFloat16 || out == at::kFloat,
-              "dtype must be float16, bfloat16 or float32, got ", out);
-  Plan p;
-  p.op = "dequantize";
-  p.outputs = {{"out", {s.k, s.n}, out}};
-  p.result_shape = {s.k, s.n};
-  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
-  Launch l;
-  l.source = "dequant";
-  l.kernel = std::string("marlin_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);
-  l.threadgroup = {kDequantColumns, kDequantRows, 1};
-  l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(s.k / kPackFactor, kDequantRows), 1};
-  l.set(kFcGroupRows, group_rows_constant(group_size));
-  l.bindings = {arg(0, kDequantPacked), arg(1, kDequantScales), arg(2, kDequantZeros), output(3),
-                scalar(4, s.n, "N"), scalar(5, s.k / kPackFactor, "K/8")};
-  check_launch(l);
-  p.launches.push_back(std::move(l));
+  Plan p = dequantize_plan("dequantize", "dequant", "marlin_dequant_", s, group_size, s.k / kPackFactor, dtype);
+  p.launches.back().bindings = {arg(0, kDequantPacked), arg(1, kDequantScales), arg(2, kDequantZeros), output(3),
+                                scalar(4, s.n, "N"), scalar(5, s.k / kPackFactor, "K/8")};
   return p;
 }
 

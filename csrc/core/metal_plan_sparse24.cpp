@@ -87,25 +87,12 @@ Plan plan_sparse24_dequantize(const at::Tensor& values, const at::Tensor& metada
                               const c10::optional<at::Tensor>& zeros, c10::string_view weight_format,
                               int64_t group_size, c10::optional<at::ScalarType> dtype) {
   const QuantizedShape s = check_sparse24(values, metadata, scales, zeros, std::string(weight_format), group_size);
-  const at::ScalarType out = dtype.value_or(at::kHalf);
-  TORCH_CHECK(out == at::kHalf || out == at::kBFloat16 || out == at::kFloat,
-              "dtype must be float16, bfloat16 or float32, got ", out);
-  Plan p;
-  p.op = "sparse24_dequantize";
-  p.outputs = {{"out", {s.k, s.n}, out}};
-  p.result_shape = {s.k, s.n};
-  p.details = gemm_details(0, s.n, s.k, s.group_rows, 1, out, s.format, 0);
-  Launch l;
-  l.source = "sparse24_dequant";
-  l.kernel = std::string("marlin_sparse24_dequant_") + weight_format_name(s.format) + "_" + dtype_name(out);
   const int64_t value_rows = s.k / kSparseValueRows;
-  l.threadgroup = {kDequantColumns, kDequantRows, 1};
-  l.grid = {ceil_div(s.n, kDequantColumns), ceil_div(value_rows, kDequantRows), 1};
-  l.set(kFcGroupRows, group_rows_constant(group_size));
-  l.bindings = {arg(0, kDequantValues), arg(1, kDequantMetadata), arg(2, kDequantScales), arg(3, kDequantZeros),
-                output(4), scalar(5, s.n, "N"), scalar(6, value_rows, "K/16")};
-  check_launch(l);
-  p.launches.push_back(std::move(l));
+  Plan p = dequantize_plan("sparse24_dequantize", "sparse24_dequant", "marlin_sparse24_dequant_", s, group_size,
+                           value_rows, dtype);
+  p.launches.back().bindings = {arg(0, kDequantValues), arg(1, kDequantMetadata), arg(2, kDequantScales),
+                                arg(3, kDequantZeros),  output(4),
+                                scalar(5, s.n, "N"),     scalar(6, value_rows, "K/16")};
   return p;
 }
 
