@@ -122,6 +122,46 @@ def test_gemm_matches_float64_reference(weight_format, group_size):
             assert_close_to_reference(y, x, b64, bias)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("group_size", formats.GROUP_SIZES)
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_gemv_one_row_wide_ranges(weight_format, group_size, threads):
+    """M = 1 over column ranges of >= 512 per thread: the memory-order GEMV (tail strips, both metadata halves)."""
+    g = torch.Generator().manual_seed(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for n, k in [(1100, 256), (512 * threads, 512)]:
+            if group_size > 0 and k % group_size:
+                continue
+            values, metadata, scales, zeros = random_sparse(k, n, weight_format, group_size, g)
+            b64 = sp.dequantize_sparse_reference(values, metadata, scales, zeros, weight_format, group_size,
+                                                 torch.float64)
+            for dtype in DTYPES:
+                x = torch.randn(1, k, generator=g).to(dtype)
+                y = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, weight_format, group_size)
+                assert_close_to_reference(y, x, b64, None)
+            # The strip walk (rows 1 of 2) gives the same first row, bit for bit.
+            x2 = torch.randn(2, k, generator=g)
+            y2 = torch.ops.marlin.sparse24_gemm(x2, values, metadata, scales, zeros, None, weight_format, group_size)
+            y1 = torch.ops.marlin.sparse24_gemm(x2[:1], values, metadata, scales, zeros, None, weight_format,
+                                                group_size)
+            assert torch.equal(y1[0], y2[0])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_gemv_one_row_checks_metadata_in_tail_strips():
+    values, metadata, scales, _ = random_sparse(96, 1100, "fp4", 32)
+    for row, col, j in [(0, 1099, 7), (2, 700, 0), (1, 3, 4)]:
+        bad = metadata.clone()
+        word = int(bad[row, col]) & 0xFFFFFFFF
+        word = (word & ~(0xF << (4 * j))) | (3 << (4 * j))
+        bad[row, col] = word - (1 << 32) if word >= 1 << 31 else word
+        with pytest.raises(ValueError, match=rf"word \[{row}, {col}\] nibble {j} "):
+            torch.ops.marlin.sparse24_gemm(torch.randn(1, 96), values, bad, scales, None, None, "fp4", 32)
+
+
 @pytest.mark.parametrize("group_size", formats.GROUP_SIZES)
 @pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
 def test_dequantize_is_exact(weight_format, group_size):
@@ -258,7 +298,8 @@ def test_pack_bad_positions(kept, positions, message):
 @pytest.mark.skipif(os.environ.get("TORCH_MARLIN_CPU_KERNELS") == "generic", reason="already the portable build")
 def test_portable_kernels_match_reference():
     env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS="generic")
-    tests = ["test_gemm_matches_float64_reference", "test_dequantize_is_exact", "test_every_nibble_is_checked"]
+    tests = ["test_gemm_matches_float64_reference", "test_dequantize_is_exact", "test_every_nibble_is_checked",
+             "test_gemv_one_row_wide_ranges"]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                              "-k", " or ".join(f"({t})" for t in tests)], env=env, capture_output=True, text=True,
                             timeout=600)

@@ -116,7 +116,7 @@ struct SparseGemvChunk {
   int words;             // values rows in this chunk
   bool first, last;      // chunk starts / ends its group
   const float* scale;
-  const float* zero;
+  const float* zero;     // (uint4)
   float* part;           // [rows, kStrip]: group partial sums between chunks
   float* acc;            // [rows, kStrip]
 };
@@ -139,7 +139,7 @@ inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
       meta[v] = Meta::positions(m, h % Meta::kRowsPerWord, bad);
       zero[v] = F == kFormatUint4 ? load8(c.zero + col + 8 * v) : v8f{};
     }
-    const float* x = c.x + 16 * r;
+    const float* x = c.x + kSparseValueRows * r;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
       v8f b[NV];
@@ -207,33 +207,37 @@ v8u sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
   return bad;
 }
 
-// out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one strip of kStrip columns at a time.
+// out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one panel of kPanelStrips
+// strips at a time, as the dense gemv_impl: per chunk of K every strip of the
+// panel, so each values row is read as a run of kPanelStrips * 256 bytes.
 template <class Meta, int F>
 v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   constexpr int R = Meta::kRowsPerWord;
+  constexpr int kPanel = kPanelStrips * kStrip;
   const int rows = int(m1 - m0);
   const int64_t group_words = a.group_rows / kSparseValueRows;  // values rows per group (g16: one)
-  alignas(32) float acc[kMaxRows * kStrip], part[kMaxRows * kStrip];
-  alignas(32) float scale[kStrip], zero[kStrip];
+  const int64_t value_rows = a.k / kSparseValueRows;
+  // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
+  alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
+  alignas(64) float scale[kPanel], zero[kPanel];
   // Padded copies for tail strips and re-read weights (as the dense gemv).
   alignas(64) int32_t padded[kSparseChunkWords * kStrip];
   alignas(64) int32_t padded_meta[(kSparseChunkWords / R + 2) * kStrip];
   alignas(64) float xbuf[kMaxRows * kSparseChunkWords * kSparseValueRows];
   v8u bad = {};
-  for (int64_t nb = n0; nb < n1; nb += kStrip) {
-    const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
-    const int vcols = (cols + 7) & ~7;
-    memset(acc, 0, sizeof(acc));
+  for (int64_t pb = n0; pb < n1; pb += kPanel) {
+    const int64_t panel_cols = n1 - pb < kPanel ? n1 - pb : kPanel;
+    const int strips = int((panel_cols + kStrip - 1) / kStrip);
+    memset(acc, 0, strips * kMaxRows * kStrip * sizeof(float));
     SparseGemvChunk c;
     c.x = xbuf;
     c.ldx = kSparseChunkWords * kSparseValueRows;
-    c.scale = scale;
-    c.zero = zero;
-    c.part = part;
-    c.acc = acc;
     for (int64_t g = 0; g < a.groups; ++g) {
-      copy_halves(scale, a.scales + g * a.n + nb, cols, kStrip);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kStrip);
+      for (int s = 0; s < strips; ++s) {
+        const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+        copy_halves(scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
+        if (F == kFormatUint4) copy_halves(zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
+      }
       for (int64_t w0 = 0; w0 < group_words; w0 += kSparseChunkWords) {
         const int64_t r0 = g * group_words + w0;
         c.words = int(group_words - w0 < kSparseChunkWords ? group_words - w0 : kSparseChunkWords);
@@ -244,33 +248,116 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
         for (int i = 0; i < rows; ++i)
           memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + kSparseValueRows * r0,
                  c.words * kSparseValueRows * sizeof(float));
-        if (cols == kStrip && rows <= kSparseGemvBlockRows) {  // read once: stream from the weight
-          c.w = a.packed + r0 * a.n + nb;
-          c.ldw = a.n;
-          c.meta = a.metadata + meta0 * a.n + nb;
-          c.ldm = a.n;
-          const int64_t next = r0 + c.words, value_rows = a.k / kSparseValueRows;
-          for (int64_t r = next; r < next + kSparseChunkWords && r < value_rows; ++r) {
-            for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.packed + r * a.n + nb + l);
-            if (r % R == 0)
-              for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.metadata + (r / R) * a.n + nb + l);
-          }
-        } else {
-          for (int r = 0; r < c.words; ++r)
-            copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
-          for (int64_t r = 0; r < meta_rows; ++r)
-            copy_metadata(padded_meta + r * kStrip, a.metadata + (meta0 + r) * a.n + nb, cols, kStrip, Meta::kFill);
-          c.w = padded;
-          c.ldw = kStrip;
-          c.meta = padded_meta;
-          c.ldm = kStrip;
+        // Fetch the panel's next chunk early (each values row is its own stream).
+        for (int64_t r = r0 + c.words; r < r0 + c.words + kSparseChunkWords && r < value_rows; ++r) {
+          for (int64_t l = 0; l < panel_cols; l += 16) __builtin_prefetch(a.packed + r * a.n + pb + l);
+          if (r % R == 0)
+            for (int64_t l = 0; l < panel_cols; l += 16) __builtin_prefetch(a.metadata + (r / R) * a.n + pb + l);
         }
-        bad |= sparse_gemv_rows<Meta, F>(c, rows, vcols);
+        for (int s = 0; s < strips; ++s) {
+          const int64_t nb = pb + s * kStrip;
+          const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
+          c.scale = scale + s * kStrip;
+          c.zero = zero + s * kStrip;
+          c.part = part + s * kMaxRows * kStrip;
+          c.acc = acc + s * kMaxRows * kStrip;
+          if (cols == kStrip && rows <= kSparseGemvBlockRows) {  // read once: stream from the weight
+            c.w = a.packed + r0 * a.n + nb;
+            c.ldw = a.n;
+            c.meta = a.metadata + meta0 * a.n + nb;
+            c.ldm = a.n;
+          } else {
+            for (int r = 0; r < c.words; ++r)
+              copy_words(padded + r * kStrip, a.packed + (r0 + r) * a.n + nb, cols, kStrip);
+            for (int64_t r = 0; r < meta_rows; ++r)
+              copy_metadata(padded_meta + r * kStrip, a.metadata + (meta0 + r) * a.n + nb, cols, kStrip,
+                            Meta::kFill);
+            c.w = padded;
+            c.ldw = kStrip;
+            c.meta = padded_meta;
+            c.ldm = kStrip;
+          }
+          bad |= sparse_gemv_rows<Meta, F>(c, rows, (cols + 7) & ~7);
+        }
       }
     }
-    for (int i = 0; i < rows; ++i)
-      memcpy(a.out + (m0 + i) * a.n + nb, acc + i * kStrip, cols * sizeof(float));
+    for (int s = 0; s < strips; ++s) {
+      const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+      for (int i = 0; i < rows; ++i)
+        memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
+    }
   }
+  return bad;
+}
+
+// out[m0, n0:n1] for one row of x, as the dense gemv_stream: each values row
+// is read across all of n0:n1 (one sequential stream, the metadata a second
+// one, each prefetched ahead) with the per-column group sums in memory; the
+// strip-by-strip walk above reads 256 bytes per values row and then jumps N
+// words. Same sums in the same order as sparse_gemv_impl.
+template <class Meta, int F>
+v8u sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1) {
+  constexpr int R = Meta::kRowsPerWord;
+  const int64_t cols = n1 - n0, padded_cols = (cols + kStrip - 1) / kStrip * kStrip;
+  const int64_t value_rows = a.k / kSparseValueRows, group_words = a.group_rows / kSparseValueRows;
+  // Per column: group partial sums, output sums and (uint4) the group's zeros,
+  // which every values row subtracts (a pruned weight is 0, not -zero).
+  float* sums = new float[3 * padded_cols];
+  float *part = sums, *acc = sums + padded_cols, *zeros = sums + 2 * padded_cols;
+  memset(acc, 0, padded_cols * sizeof(float));
+  alignas(64) int32_t tail[kStrip], tail_meta[kStrip];
+  alignas(32) float scale[kStrip];
+  SparseGemvChunk c;
+  c.ldx = kSparseValueRows;
+  c.ldw = kStrip;
+  c.ldm = kStrip;
+  c.words = 1;
+  c.scale = scale;
+  // The prefetch cursor: the same walk over (values row, column), kStreamPrefetchWords ahead.
+  int64_t ahead_row = kStreamPrefetchWords / cols, ahead_col = kStreamPrefetchWords % cols;
+  v8u bad = {};
+  for (int64_t r = 0; r < value_rows; ++r) {
+    const int64_t g = r / group_words;
+    c.first = r % group_words == 0;
+    c.last = r % group_words == group_words - 1;
+    c.phase = int(r % R);
+    c.x = a.x + m0 * a.k + kSparseValueRows * r;
+    if (F == kFormatUint4 && c.first)
+      for (int64_t nb = 0; nb < cols; nb += kStrip)
+        copy_halves(zeros + nb, a.zeros + g * a.n + n0 + nb, cols - nb < kStrip ? cols - nb : kStrip, kStrip);
+    const int32_t* row = a.packed + r * a.n + n0;
+    const int32_t* meta = a.metadata + (r / R) * a.n + n0;
+    for (int64_t nb = 0; nb < cols; nb += kStrip) {
+      const int64_t left = cols - nb < kStrip ? cols - nb : kStrip;
+      if (ahead_row < value_rows) {
+        const int64_t o = ahead_row * a.n + n0 + ahead_col;
+        for (int l = 0; l < kStrip; l += 16) __builtin_prefetch(a.packed + o + l);
+        if (ahead_row % R == 0)
+          for (int l = 0; l < kStrip; l += 16)
+            __builtin_prefetch(a.metadata + (ahead_row / R) * a.n + n0 + ahead_col + l);
+        ahead_col += kStrip;
+        if (ahead_col >= cols) {
+          ahead_col -= cols;
+          ++ahead_row;
+        }
+      }
+      c.w = row + nb;
+      c.meta = meta + nb;
+      if (left < kStrip) {
+        copy_words(tail, row + nb, left, kStrip);
+        copy_metadata(tail_meta, meta + nb, left, kStrip, Meta::kFill);
+        c.w = tail;
+        c.meta = tail_meta;
+      }
+      if (c.last) copy_halves(scale, a.scales + g * a.n + n0 + nb, left, kStrip);
+      c.zero = zeros + nb;
+      c.part = part + nb;
+      c.acc = acc + nb;
+      bad |= sparse_gemv_block<Meta, F, 1>(c, kStrip);
+    }
+  }
+  memcpy(a.out + m0 * a.n + n0, acc, cols * sizeof(float));
+  delete[] sums;
   return bad;
 }
 
@@ -374,10 +461,20 @@ uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0
   v8u bad = {};
   for (int64_t m = m0; m < m1; m += kMaxRows) {
     const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
+    const bool stream = kGemvStream && e - m == 1 && n1 - n0 >= kStreamMinCols;
     switch (a.format) {
-      case kFormatFp4: bad |= sparse_gemv_impl<NibbleMetadata, kFormatFp4>(a, m, e, n0, n1); break;
-      case kFormatInt4: bad |= sparse_gemv_impl<NibbleMetadata, kFormatInt4>(a, m, e, n0, n1); break;
-      default: bad |= sparse_gemv_impl<NibbleMetadata, kFormatUint4>(a, m, e, n0, n1); break;
+      case kFormatFp4:
+        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatFp4>(a, m, n0, n1)
+                      : sparse_gemv_impl<NibbleMetadata, kFormatFp4>(a, m, e, n0, n1);
+        break;
+      case kFormatInt4:
+        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatInt4>(a, m, n0, n1)
+                      : sparse_gemv_impl<NibbleMetadata, kFormatInt4>(a, m, e, n0, n1);
+        break;
+      default:
+        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatUint4>(a, m, n0, n1)
+                      : sparse_gemv_impl<NibbleMetadata, kFormatUint4>(a, m, e, n0, n1);
+        break;
     }
   }
   return any_lane(bad);
