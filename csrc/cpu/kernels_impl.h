@@ -421,6 +421,37 @@ void gemv_rows(GemvChunk c, int rows, int cols) {
   }
 }
 
+// Column panels of the GEMVs (dense gemv_impl and the 2:4 one): per strip s
+// of a panel, its scales/zeros at s * kStrip and its rows' sums at
+// s * kMaxRows * kStrip of the panel's buffers.
+struct PanelBuffers {
+  float *scale, *zero, *part, *acc;
+};
+template <class Chunk>
+inline void use_strip(Chunk& c, const PanelBuffers& p, int s) {
+  c.scale = p.scale + s * kStrip;
+  c.zero = p.zero + s * kStrip;
+  c.part = p.part + s * kMaxRows * kStrip;
+  c.acc = p.acc + s * kMaxRows * kStrip;
+}
+// Scales (and uint4 zeros) of group g for the strips of panel [pb, n1).
+template <int F>
+inline void load_panel_group(const GemmArgs& a, int64_t g, int64_t pb, int64_t n1, int strips, const PanelBuffers& p) {
+  for (int s = 0; s < strips; ++s) {
+    const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+    copy_halves(p.scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
+    if (F == kFormatUint4) copy_halves(p.zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
+  }
+}
+// The panel's sums of rows m0 .. m0 + rows into out.
+inline void store_panel(const GemmArgs& a, int64_t m0, int rows, int64_t pb, int64_t n1, int strips, const float* acc) {
+  for (int s = 0; s < strips; ++s) {
+    const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
+    for (int i = 0; i < rows; ++i)
+      memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
+  }
+}
+
 // out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one panel of kPanelStrips
 // strips at a time: per chunk of K, every strip of the panel, so that each
 // word row is read as kPanelStrips * 256 contiguous bytes (one TLB entry and
@@ -434,6 +465,7 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
   // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
   alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
   alignas(64) float scale[kPanel], zero[kPanel];
+  const PanelBuffers panel{scale, zero, part, acc};
   // x and the weights are copied into these when re-read: rows of x (stride K)
   // and word rows (stride N) a power of two apart would share L1 sets.
   alignas(64) int32_t padded[kChunkWords * kStrip];
@@ -447,11 +479,7 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
     c.ldx = kChunkWords * x_per_word;
     c.ldxsum = a.groups;
     for (int64_t g = 0; g < a.groups; ++g) {
-      for (int s = 0; s < strips; ++s) {
-        const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
-        copy_halves(scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
-        if (F == kFormatUint4) copy_halves(zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
-      }
+      load_panel_group<F>(a, g, pb, n1, strips, panel);
       for (int64_t w0 = 0; w0 < group_words; w0 += kChunkWords) {
         const int64_t r0 = g * group_words + w0;
         c.words = int(group_words - w0 < kChunkWords ? group_words - w0 : kChunkWords);
@@ -471,10 +499,7 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
         for (int s = 0; s < strips; ++s) {
           const int64_t nb = pb + s * kStrip;
           const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
-          c.scale = scale + s * kStrip;
-          c.zero = zero + s * kStrip;
-          c.part = part + s * kMaxRows * kStrip;
-          c.acc = acc + s * kMaxRows * kStrip;
+          use_strip(c, panel, s);
           if (cols == kStrip && rows <= kGemvBlockRows<Dot>) {  // read once: stream from the weight
             c.w = a.packed + r0 * a.n + nb;
             c.ldw = a.n;
@@ -488,11 +513,7 @@ void gemv_impl(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1
         }
       }
     }
-    for (int s = 0; s < strips; ++s) {
-      const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
-      for (int i = 0; i < rows; ++i)
-        memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
-    }
+    store_panel(a, m0, rows, pb, n1, strips, acc);
   }
 }
 

@@ -220,6 +220,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
   // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
   alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
   alignas(64) float scale[kPanel], zero[kPanel];
+  const PanelBuffers panel{scale, zero, part, acc};
   // Padded copies for tail strips and re-read weights (as the dense gemv).
   alignas(64) int32_t padded[kSparseChunkWords * kStrip];
   alignas(64) int32_t padded_meta[(kSparseChunkWords / R + 2) * kStrip];
@@ -233,11 +234,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
     c.x = xbuf;
     c.ldx = kSparseChunkWords * kSparseValueRows;
     for (int64_t g = 0; g < a.groups; ++g) {
-      for (int s = 0; s < strips; ++s) {
-        const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
-        copy_halves(scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
-        if (F == kFormatUint4) copy_halves(zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
-      }
+      load_panel_group<F>(a, g, pb, n1, strips, panel);
       for (int64_t w0 = 0; w0 < group_words; w0 += kSparseChunkWords) {
         const int64_t r0 = g * group_words + w0;
         c.words = int(group_words - w0 < kSparseChunkWords ? group_words - w0 : kSparseChunkWords);
@@ -257,10 +254,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
         for (int s = 0; s < strips; ++s) {
           const int64_t nb = pb + s * kStrip;
           const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
-          c.scale = scale + s * kStrip;
-          c.zero = zero + s * kStrip;
-          c.part = part + s * kMaxRows * kStrip;
-          c.acc = acc + s * kMaxRows * kStrip;
+          use_strip(c, panel, s);
           if (cols == kStrip && rows <= kSparseGemvBlockRows) {  // read once: stream from the weight
             c.w = a.packed + r0 * a.n + nb;
             c.ldw = a.n;
@@ -281,11 +275,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
         }
       }
     }
-    for (int s = 0; s < strips; ++s) {
-      const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
-      for (int i = 0; i < rows; ++i)
-        memcpy(a.out + (m0 + i) * a.n + nb, acc + (s * kMaxRows + i) * kStrip, cols * sizeof(float));
-    }
+    store_panel(a, m0, rows, pb, n1, strips, acc);
   }
   return bad;
 }
