@@ -7,8 +7,8 @@ the same process, interleaved round by round (so a noisy neighbour slows all
 of them alike); the figures are medians. Prints the CPU, its instruction-set
 flags and the kernel build that ran, a table, and writes JSON with the same.
 
-    python benchmarks/bench_cpu.py [--quick] [--sparse] [--kernels avx2] [--threads 2] [--clock wall]
-                                   [--json bench_cpu.json]
+    python benchmarks/bench_cpu.py [--quick] [--sparse [--cold-mib 1024]] [--kernels avx2] [--threads 2]
+                                   [--clock wall] [--json bench_cpu.json]
 
 --kernels forces a kernel build (= TORCH_MARLIN_CPU_KERNELS), e.g. to check
 the AVX2 build on an AVX-512 machine.
@@ -16,11 +16,16 @@ the AVX2 build on an AVX-512 machine.
 With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
 the dense layout of the same format on the same shapes, timed alternately in
 one process (minimum times, and the median of the per-pair ratios).
+--cold-mib N rotates each call over copies of the weights totalling N MiB,
+so that with N above the last-level cache they are read from DRAM, as in the
+decode of a model larger than the cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import json
 import os
 import platform
@@ -119,9 +124,25 @@ def paired_seconds(dense, sparse, repeats: int):
     return min(a), min(b), statistics.median(x / y for x, y in zip(a, b))
 
 
-def sparse_main(args, shapes) -> None:
-    print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; 2:4 sparse vs dense, group {GROUP_SIZE}, bf16 x")
+def machine_header() -> dict:
+    """Print the CPU, its ISA flags and the kernel build; the JSON records the same."""
+    cpu = cpu_description()
+    kernels = json.loads(torch.ops.marlin._cpu_kernels())
+    if kernels["selected"] is None:
+        raise SystemExit(kernels["error"])
+    print(f"# {cpu['model']} ({cpu['machine']}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(f"# ISA flags: {' '.join(cpu['isa_flags']) or '-'}; torch CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}; torch_marlin kernels: {kernels['selected']}"
+          + "".join(f" ({b} passed over: {why})" for b, why in kernels.get("passed_over", {}).items()))
+    return dict(cpu=cpu, kernels=kernels["selected"], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                threads=torch.get_num_threads(), torch=torch.__version__)
+
+
+def sparse_main(args, shapes, rows) -> None:
+    machine = machine_header()
+    print(f"# 2:4 sparse vs dense, group {GROUP_SIZE}, bf16 x, dense and 2:4 timed alternately (wall clock)"
+          + (f"; weights rotated over copies of >= {args.cold_mib} MiB (from DRAM)" if args.cold_mib else
+             "; the same weights every call (cache-resident where they fit)"))
     header = (f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'dense ms':>9} {'2:4 ms':>9} | "
               f"{'x (min)':>7} {'x (median)':>10}")
     print(header)
@@ -131,20 +152,32 @@ def sparse_main(args, shapes) -> None:
         for fmt in args.formats.split(","):
             _, packed, scales, zeros = make_weights(n, k, fmt)
             values, metadata = sparse_weights(n, k, fmt)
-            for m in ROWS:
+            # --cold-mib: each call takes the next of enough copies of the weights that
+            # one round reads that many MiB, so they come from DRAM, not the cache.
+            copies = max(1, math.ceil(args.cold_mib * 2**20 / (packed.nbytes + values.nbytes + metadata.nbytes)))
+            dense_w = [(packed.clone(), scales.clone()) for _ in range(copies)]
+            sparse_w = [(values.clone(), metadata.clone(), scales.clone()) for _ in range(copies)]
+            turn = itertools.count()
+            for m in rows:
                 x = torch.randn(m, k).to(torch.bfloat16)
                 reps = args.repeats * (3 if m <= 8 else 1)
-                td, ts, ratio = paired_seconds(
-                    lambda: torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, GROUP_SIZE),
-                    lambda: torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, fmt, GROUP_SIZE),
-                    reps)
+
+                def dense():
+                    p, s = dense_w[next(turn) % copies]
+                    return torch.ops.marlin.gemm(x, p, s, zeros, None, fmt, GROUP_SIZE)
+
+                def sparse():
+                    v, md, s = sparse_w[next(turn) % copies]
+                    return torch.ops.marlin.sparse24_gemm(x, v, md, s, zeros, None, fmt, GROUP_SIZE)
+
+                td, ts, ratio = paired_seconds(dense, sparse, reps)
                 row = dict(format=fmt, n=n, k=k, m=m, dense_ms=td * 1e3, sparse_ms=ts * 1e3, speedup_min=td / ts,
                            speedup_median=ratio)
                 results.append(row)
                 print(f"{fmt:6} {n:6} {k:6} {m:4} | {td * 1e3:9.3f} {ts * 1e3:9.3f} | {td / ts:7.2f} {ratio:10.2f}",
                       flush=True)
     with open(args.json, "w") as f:
-        json.dump(dict(threads=torch.get_num_threads(), torch=torch.__version__, sparse=results), f, indent=1)
+        json.dump(dict(machine, cold_mib=args.cold_mib, sparse=results), f, indent=1)
     print(f"wrote {args.json}")
 
 
@@ -161,6 +194,9 @@ def main() -> None:
                         help="wall time, or process CPU time (steadier with --threads 1 on a shared machine)")
     parser.add_argument("--json", default="bench_cpu.json")
     parser.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
+    parser.add_argument("--cold-mib", type=int, default=0,
+                        help="with --sparse: rotate over copies of the weights totalling this many MiB "
+                             "(above the last-level cache: weights from DRAM, as in a large model's decode)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernels:
@@ -169,15 +205,9 @@ def main() -> None:
     repeats = 5 if args.quick else args.repeats
     rows = [int(r) for r in args.rows.split(",")]
     if args.sparse:
-        return sparse_main(args, shapes)
+        return sparse_main(args, shapes, rows)
 
-    cpu = cpu_description()
-    kernels = json.loads(torch.ops.marlin._cpu_kernels())
-    if kernels["selected"] is None:
-        raise SystemExit(kernels["error"])
-    print(f"# {cpu['model']} ({cpu['machine']}), {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"# ISA flags: {' '.join(cpu['isa_flags']) or '-'}; torch CPU capability "
-          f"{torch.backends.cpu.get_cpu_capability()}; torch_marlin kernels: {kernels['selected']}")
+    machine = machine_header()
     print(f"# median ms ({args.clock} clock), candidates interleaved in one process; bf16 x, group size 128")
     header = (f"{'format':6} {'N':>6} {'K':>6} {'M':>4} | {'marlin ms':>9} | {'int4 ms':>8} {'bf16 ms':>8} "
               f"{'fp32 ms':>8} | {'x int4':>6} {'x bf16':>6}")
@@ -207,9 +237,7 @@ def main() -> None:
                       f"{row['bf16_ms']:8.3f} {row['fp32_ms']:8.3f} | {row['speedup_vs_int4']:6.2f} "
                       f"{row['speedup_vs_bf16']:6.2f}")
     with open(args.json, "w") as f:
-        json.dump(dict(cpu=cpu, kernels=kernels["selected"], torch_cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                       threads=torch.get_num_threads(), clock=args.clock, torch=torch.__version__,
-                       group_size=GROUP_SIZE, results=results), f, indent=1)
+        json.dump(dict(machine, clock=args.clock, group_size=GROUP_SIZE, results=results), f, indent=1)
     print(f"wrote {args.json}")
 
 

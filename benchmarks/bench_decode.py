@@ -11,6 +11,8 @@ downloaded, and speed does not depend on the weights' values. Variants:
                         aten._weight_int4pack_mm_for_cpu behind a small module swap
   marlin-fp4/int4/uint4 torch_marlin.quantize_model (every nn.Linear, group 128, with a
                         crude fast quantizer: the codes do not change speed)
+  marlin-*-2:4          the same, pruned to 2:4 by magnitude (sparsity="2:4"); the
+                        weights are random, so this measures speed, not quality
 
 Measured at batch 1 with 2 threads (--threads): greedy decode of 128 new
 tokens after a 32-token prompt (tokens/s from the median time per token) and
@@ -42,7 +44,8 @@ from torch import nn
 
 import torch_marlin
 
-VARIANTS = ["float32", "bfloat16", "torch-int4", "marlin-fp4", "marlin-int4", "marlin-uint4"]
+VARIANTS = ["float32", "bfloat16", "torch-int4", "marlin-fp4", "marlin-int4", "marlin-uint4", "marlin-fp4-2:4",
+            "marlin-int4-2:4", "marlin-uint4-2:4"]
 GROUP_SIZE = 128
 
 
@@ -136,7 +139,9 @@ def build_variant(variant: str, layers: int, base: nn.Module | None = None):
     if variant == "torch-int4":
         note = torch_int4(model)
     elif variant.startswith("marlin-"):
-        report = torch_marlin.quantize_model(model, variant.split("-")[1], GROUP_SIZE, method="bench-fast")
+        sparsity = "2:4" if variant.endswith("-2:4") else None  # magnitude 2:4: pruning does not change speed
+        report = torch_marlin.quantize_model(model, variant.split("-")[1], GROUP_SIZE, method="bench-fast",
+                                             sparsity=sparsity)
         note = str(report)
     release_memory()
     return model, note

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -98,20 +97,10 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
-    import transformers
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     try:
-        path = minilm.model_dir()
+        fresh, tokenizer, batch = minilm.load_offline()
     except ImportError as e:
         sys.exit(str(e))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    batch = tokenizer(minilm.SENTENCES, padding=True, truncation=True, return_tensors="pt")
-
-    def fresh():
-        return transformers.AutoModel.from_pretrained(path).eval()
 
     reference = minilm.embed(fresh(), batch)
     from torch_marlin.hf.calibrated import calibration_batches

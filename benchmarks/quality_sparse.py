@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -93,27 +92,17 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
-    import transformers
-
     import torch_marlin
     from torch_marlin.hf.calibrated import calibration_batches
     from torch_marlin.testing import calibration as calibration_text
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
     try:
-        path = minilm.model_dir()
+        fresh, tokenizer, batch = minilm.load_offline()
     except ImportError as e:
         sys.exit(str(e))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    batch = tokenizer(minilm.SENTENCES, padding=True, truncation=True, return_tensors="pt")
     samples = calibration_text.sentences(args.calibration_samples)
     assert not set(samples) & set(minilm.SENTENCES), "calibration must not contain evaluation sentences"
     calibration, n_samples, _ = calibration_batches(tokenizer, samples, samples=len(samples), batch_size=16)
-
-    def fresh():
-        return transformers.AutoModel.from_pretrained(path).eval()
 
     reference = minilm.embed(fresh(), batch)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; calibration: {n_samples} sentences; "

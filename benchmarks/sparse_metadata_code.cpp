@@ -8,9 +8,9 @@
 #endif
 #pragma GCC target("avx2,fma,f16c")
 #define MARLIN_KERNEL_NS bench
+#define MARLIN_KERNEL_NAME "bench"
 #define MARLIN_KERNEL_AVX2 1
-#include "cpu/kernels_impl.h"
-#include "cpu/sparse24_kernels_impl.h"
+#include "cpu/kernels_impl.h"  // with the 2:4 kernels (cpu/sparse24_kernels_impl.h)
 
 #include <immintrin.h>
 
@@ -25,6 +25,10 @@ namespace marlin {
 namespace cpu {
 namespace bench {
 namespace {
+
+typedef vf v8f;  // the AVX2 build: 8 lanes
+typedef vi v8i;
+typedef vu v8u;
 
 constexpr int kNibbleOfPattern[6] = {0x4, 0x8, 0xC, 0x9, 0xD, 0xE};  // (0,1) (0,2) (0,3) (1,2) (1,3) (2,3)
 
@@ -93,9 +97,9 @@ double run(const Sparse24Args& a, int fmt) {
   const auto t0 = std::chrono::steady_clock::now();
   v8u bad;
   switch (fmt) {
-    case kFormatFp4: bad = sparse_gemv_impl<Meta, kFormatFp4>(a, 0, a.m, 0, a.n); break;
-    case kFormatInt4: bad = sparse_gemv_impl<Meta, kFormatInt4>(a, 0, a.m, 0, a.n); break;
-    default: bad = sparse_gemv_impl<Meta, kFormatUint4>(a, 0, a.m, 0, a.n); break;
+    case kFormatFp4: bad = sparse_gemv_impl<Meta, kFormatFp4, false>(a, 0, a.m, 0, a.n); break;
+    case kFormatInt4: bad = sparse_gemv_impl<Meta, kFormatInt4, false>(a, 0, a.m, 0, a.n); break;
+    default: bad = sparse_gemv_impl<Meta, kFormatUint4, false>(a, 0, a.m, 0, a.n); break;
   }
   if (any_lane(bad)) {
     std::fprintf(stderr, "invalid metadata\n");

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -148,32 +149,43 @@ def test_dequantize_bad_dtype():
 
 
 def cpu_kernels():
-    """{"selected": build, "error": ..., "builds": {build: "" if this CPU runs it, else why not}}."""
+    """{"selected": build, "error": ..., "builds": {build: "" if this CPU runs it, else why not},
+    "passed_over": {build: why the automatic choice skips it though this CPU runs it}}."""
     return json.loads(torch.ops.marlin._cpu_kernels())
 
 
 def test_selected_kernel_build_is_reported():
     info = cpu_kernels()
     forced = os.environ.get("TORCH_MARLIN_CPU_KERNELS")
-    assert info["selected"] == (forced or next(b for b, why in info["builds"].items() if not why))
+    runs = [b for b, why in info["builds"].items() if not why]
+    assert info["selected"] == (forced or next(b for b in runs if b not in info["passed_over"]))
     assert info["builds"]["generic"] == ""  # runs everywhere
+    assert set(info["passed_over"]) <= set(runs) - {"generic"}
+    if "avx512_bf16" in runs and "avx512" in runs:  # the one preference: by vendor (docs/CPU.md)
+        intel = "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+        assert ("avx512_bf16" in info["passed_over"]) == intel
 
 
+# The reference tests of the dense and the 2:4 ops (both files), rerun under each build.
+REFERENCE_FILES = [__file__, str(Path(__file__).with_name("test_sparse24.py"))]
 REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and_batch_dims", "test_dequantize_is_exact",
-                   "test_every_fp4_code_through_the_op", "test_selected_kernel_build_is_reported"]
+                   "test_every_fp4_code_through_the_op", "test_selected_kernel_build_is_reported",
+                   "test_gemv_one_row_wide_ranges", "test_every_nibble_is_checked",
+                   "test_gemm_large_k_batch_dims_and_empty"]
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
 def test_kernel_build_matches_reference(build):
     """Each build this CPU runs (avx512_bf16, avx512, avx2, generic on x86), forced by
-    environment variable; the aarch64 builds run under qemu in test_cpu_kernels_aarch64.py."""
+    environment variable, dense and 2:4 ops; the aarch64 builds run under qemu in
+    test_cpu_kernels_aarch64.py."""
     info = cpu_kernels()
     if info["builds"][build]:
         pytest.skip(f"{build}: {info['builds'][build]}")
     if build == info["selected"]:
         pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
     env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_FILES,
                              "-k", " or ".join(REFERENCE_TESTS)], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout

@@ -22,6 +22,14 @@ struct GemmArgs {
   int format;
 };
 
+// GemmArgs of the 2:4 layout (docs/FORMAT.md): `packed` = values [k / 16, n]
+// (8 kept codes per word) plus the position metadata; `xsum` is unused (zeros
+// are applied per kept value). With x_bf16 set, `x` is set too (fp32): the
+// kernels take the pair path where they have one, else fp32.
+struct Sparse24Args : GemmArgs {
+  const int32_t* metadata;  // [k / 32, n]
+};
+
 // Up to this many rows of x, gemv decodes each weight word once in registers
 // and applies it to all rows (any m works; this is the crossover ops.cpp uses);
 // above, gemm_tile dequantizes cache-sized tiles.
@@ -41,12 +49,19 @@ constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + r
 //   gemm_tile(a, m0, m1, nb, scratch)  out[m0:m1, nb:nb+64]: dequantizes cache-sized
 //                              tiles once and reuses them for every row
 //   dequantize_rows(a, k0, k1, nb, tile)  fp32 B[k0:k1, nb:nb+64] into tile (row stride 64)
+// and the same three for the 2:4 layout (csrc/cpu/sparse24_kernels_impl.h),
+// which return nonzero if a metadata word they decoded holds an invalid
+// pattern (the op then reports which one).
 struct CpuKernels {
   const char* name;
   void (*gemv)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
   void (*gemm_tile)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
   void (*dequantize_rows)(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
   bool bf16_x;  // takes bf16 activations as x_bf16 (exact bf16 products, fp32 sums)
+  uint32_t (*sparse24_gemv)(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+  uint32_t (*sparse24_gemm_tile)(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
+  uint32_t (*sparse24_dequantize_rows)(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
+  bool sparse24_bf16_x;  // the 2:4 kernels take x_bf16 (with x) for bf16 activations
 };
 
 // Each kernels_<isa>.cpp defines its table; a build that the compiler cannot

@@ -60,7 +60,26 @@ bool cpu_has(const std::string& feature) {
   return false;
 }
 
+bool is_intel() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  unsigned eax, ebx, ecx, edx;
+  // "GenuineIntel": ebx, edx, ecx
+  return __get_cpuid(0, &eax, &ebx, &ecx, &edx) && ebx == 0x756E6547 && edx == 0x49656E69 && ecx == 0x6C65746E;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+std::string passed_over_reason(const std::string& name) {
+  // vdpbf16ps (two multiplies per lane) pays only where it issues about as
+  // often as an fp32 FMA: avx512_bf16 was the faster build at M = 1 on AMD Zen 5,
+  // avx512 the faster one at every M on an Intel Emerald Rapids VM (docs/CPU.md).
+  if (name == "avx512_bf16" && is_intel() && unsupported_reason("avx512").empty())
+    return "on Intel CPUs the avx512 build was measured faster (docs/CPU.md)";
+  return "";
+}
 
 std::vector<std::string> kernel_build_names() {
   std::vector<std::string> names;
@@ -97,7 +116,7 @@ KernelSelection select_kernel_build(const char* forced) {
   for (const Build& b : kBuilds) {
     if (!unsupported_reason(b.name).empty()) continue;
     supported += (supported.empty() ? "" : ", ") + std::string(b.name);
-    if (!best) best = b.kernels;
+    if (!best && passed_over_reason(b.name).empty()) best = b.kernels;
   }
   if (!forced || !*forced) return {best, ""};
   const std::string name = forced;

@@ -18,12 +18,16 @@ std::string unsupported_reason(const std::string& name);
 // The build's kernels if compiled for this architecture (supported or not), else null.
 const CpuKernels* find_kernel_build(const std::string& name);
 
+// Empty unless the automatic choice skips this build although the CPU runs
+// it, because another build it runs is faster here (then: why).
+std::string passed_over_reason(const std::string& name);
+
 struct KernelSelection {
   const CpuKernels* kernels;  // null when `error` says why
   std::string error;
 };
 
-// The best build this CPU runs, or `forced` (TORCH_MARLIN_CPU_KERNELS) when
+// The best build this CPU runs (the first not passed over), or `forced` (TORCH_MARLIN_CPU_KERNELS) when
 // set: an unknown or unsupported name is an error, never a SIGILL.
 KernelSelection select_kernel_build(const char* forced);
 

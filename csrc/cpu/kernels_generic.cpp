@@ -2,4 +2,3 @@
 #define MARLIN_KERNEL_NS generic
 #define MARLIN_KERNEL_NAME "generic"
 #include "cpu/kernels_impl.h"
-#include "cpu/sparse24_kernels_impl.h"

@@ -70,27 +70,9 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
       xsum = x2.view({m, s.groups, s.group_rows}).sum(-1, false, at::kFloat).contiguous();
       a.xsum = xsum.data_ptr<float>();
     }
-    if (m <= kGemvMaxRows) {
-      const int64_t blocks = (s.n + kGemvBlockCols - 1) / kGemvBlockCols;
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        kern.gemv(a, 0, m, b0 * kGemvBlockCols, std::min(s.n, b1 * kGemvBlockCols));
-      });
-    } else {
-      // Work items: column tiles x row blocks; row blocks only split large M,
-      // since each one dequantizes the column tile again.
-      const int64_t col_tiles = (s.n + kGemmBlockCols - 1) / kGemmBlockCols;
-      const int64_t want_row_blocks = (2 * at::get_num_threads() + col_tiles - 1) / col_tiles;
-      const int64_t rows_per_item = std::max<int64_t>(64, (m + want_row_blocks - 1) / want_row_blocks);
-      const int64_t row_blocks = (m + rows_per_item - 1) / rows_per_item;
-      at::parallel_for(0, col_tiles * row_blocks, 1, [&](int64_t i0, int64_t i1) {
-        std::unique_ptr<float[]> scratch(new float[gemm_scratch_floats(rows_per_item)]);
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t nb = (i % col_tiles) * kGemmBlockCols;
-          const int64_t m0 = (i / col_tiles) * rows_per_item;
-          kern.gemm_tile(a, m0, std::min(m, m0 + rows_per_item), nb, scratch.get());
-        }
-      });
-    }
+    parallel_gemm(
+        m, s.n, [&](int64_t n0, int64_t n1) { kern.gemv(a, 0, m, n0, n1); },
+        [&](int64_t m0, int64_t m1, int64_t nb, float* scratch) { kern.gemm_tile(a, m0, m1, nb, scratch); });
   }
   if (bias) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type()).view(out_sizes);
@@ -106,33 +88,28 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& scales,
               "dtype must be float16, bfloat16 or float32, got ", out_dtype);
   at::Tensor out = at::empty({s.k, s.n}, packed.options().dtype(at::kFloat));
   GemmArgs a = make_args(packed, scales, zeros, s);
-  const int64_t col_tiles = (s.n + kGemmBlockCols - 1) / kGemmBlockCols;
-  const int64_t row_tiles = (s.k + kGemmBlockRows - 1) / kGemmBlockRows;
   const CpuKernels& kern = kernels();
-  at::parallel_for(0, col_tiles * row_tiles, 1, [&](int64_t i0, int64_t i1) {
-    std::unique_ptr<float[]> tile(new float[kGemmBlockRows * kGemmBlockCols]);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t nb = (i % col_tiles) * kGemmBlockCols, k0 = (i / col_tiles) * kGemmBlockRows;
-      const int64_t k1 = std::min(s.k, k0 + kGemmBlockRows);
-      const int64_t cols = std::min(kGemmBlockCols, s.n - nb);
-      kern.dequantize_rows(a, k0, k1, nb, tile.get());
-      float* dst = out.data_ptr<float>();
-      for (int64_t k = k0; k < k1; ++k)
-        std::memcpy(dst + k * s.n + nb, tile.get() + (k - k0) * kGemmBlockCols, cols * sizeof(float));
-    }
+  parallel_dequantize(s.k, s.n, out.data_ptr<float>(), [&](int64_t k0, int64_t k1, int64_t nb, float* tile) {
+    kern.dequantize_rows(a, k0, k1, nb, tile);
   });
   return out.to(out_dtype);
 }
 
 // JSON: {"selected": build or null, "error": why none, "builds": {build: "" if
-// this CPU runs it, else why not}}; the tests and benchmarks report it.
+// this CPU runs it, else why not}, "passed_over": {build: why the automatic
+// choice skips it, for builds this CPU runs}}; the tests and benchmarks report it.
 std::string cpu_kernels_info() {
   const KernelSelection selected = select_kernel_build(std::getenv("TORCH_MARLIN_CPU_KERNELS"));
-  std::string builds;
-  for (const std::string& name : kernel_build_names())
+  std::string builds, passed_over;
+  for (const std::string& name : kernel_build_names()) {
     builds += (builds.empty() ? "\"" : ", \"") + name + "\": \"" + unsupported_reason(name) + "\"";
+    const std::string why = passed_over_reason(name);
+    if (unsupported_reason(name).empty() && !why.empty())
+      passed_over += (passed_over.empty() ? "\"" : ", \"") + name + "\": \"" + why + "\"";
+  }
   const std::string name = selected.kernels ? "\"" + std::string(selected.kernels->name) + "\"" : "null";
-  return "{\"selected\": " + name + ", \"error\": \"" + selected.error + "\", \"builds\": {" + builds + "}}";
+  return "{\"selected\": " + name + ", \"error\": \"" + selected.error + "\", \"builds\": {" + builds +
+         "}, \"passed_over\": {" + passed_over + "}}";
 }
 
 }  // namespace

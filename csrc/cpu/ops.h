@@ -1,8 +1,13 @@
 // Pieces of the dense CPU op (ops.cpp) that the other layouts' CPU ops reuse.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
 
 #include "core/checks.h"
 #include "cpu/kernel_args.h"
@@ -19,6 +24,49 @@ void check_cpu(const at::Tensor& t, const char* name);
 // Kernel arguments of a packed weight (the first matrix of a stack); x, out and m are the caller's.
 GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                    const QuantizedShape& s);
+
+// The work split of the dense and 2:4 gemm ops over threads. m <= kGemvMaxRows:
+// gemv(n0, n1) on column blocks; above: gemm_tile(m0, m1, nb, scratch) on
+// column tiles x row blocks, where row blocks only split large M, since each
+// one dequantizes its column tile again.
+template <class Gemv, class GemmTile>
+void parallel_gemm(int64_t m, int64_t n, Gemv&& gemv, GemmTile&& gemm_tile) {
+  if (m <= kGemvMaxRows) {
+    const int64_t blocks = (n + kGemvBlockCols - 1) / kGemvBlockCols;
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      gemv(b0 * kGemvBlockCols, std::min(n, b1 * kGemvBlockCols));
+    });
+    return;
+  }
+  const int64_t col_tiles = (n + kGemmBlockCols - 1) / kGemmBlockCols;
+  const int64_t want_row_blocks = (2 * at::get_num_threads() + col_tiles - 1) / col_tiles;
+  const int64_t rows_per_item = std::max<int64_t>(64, (m + want_row_blocks - 1) / want_row_blocks);
+  const int64_t row_blocks = (m + rows_per_item - 1) / rows_per_item;
+  at::parallel_for(0, col_tiles * row_blocks, 1, [&](int64_t i0, int64_t i1) {
+    std::unique_ptr<float[]> scratch(new float[gemm_scratch_floats(rows_per_item)]);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t nb = (i % col_tiles) * kGemmBlockCols, m0 = (i / col_tiles) * rows_per_item;
+      gemm_tile(m0, std::min(m, m0 + rows_per_item), nb, scratch.get());
+    }
+  });
+}
+
+// B = W^T [k, n] in fp32 from tiles that dequantize_rows(k0, k1, nb, tile) writes (row stride 64).
+template <class DequantizeRows>
+void parallel_dequantize(int64_t k, int64_t n, float* out, DequantizeRows&& dequantize_rows) {
+  const int64_t col_tiles = (n + kGemmBlockCols - 1) / kGemmBlockCols;
+  const int64_t row_tiles = (k + kGemmBlockRows - 1) / kGemmBlockRows;
+  at::parallel_for(0, col_tiles * row_tiles, 1, [&](int64_t i0, int64_t i1) {
+    std::unique_ptr<float[]> tile(new float[kGemmBlockRows * kGemmBlockCols]);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t nb = (i % col_tiles) * kGemmBlockCols, k0 = (i / col_tiles) * kGemmBlockRows;
+      const int64_t k1 = std::min(k, k0 + kGemmBlockRows), cols = std::min(kGemmBlockCols, n - nb);
+      dequantize_rows(k0, k1, nb, tile.get());
+      for (int64_t r = k0; r < k1; ++r)
+        std::memcpy(out + r * n + nb, tile.get() + (r - k0) * kGemmBlockCols, cols * sizeof(float));
+    }
+  });
+}
 
 }  // namespace cpu
 }  // namespace marlin

@@ -1,7 +1,8 @@
 // CPU kernels of the 2:4 sparse layout (docs/FORMAT.md), written once and
-// compiled into every per-ISA unit: kernels_<isa>.cpp includes this file
-// right after cpu/kernels_impl.h, in the same (anonymous) namespace, so the
-// vector types, value decoders and copies of the dense kernels are reused.
+// compiled into every per-ISA unit: cpu/kernels_impl.h includes this file at
+// its end, in the same anonymous namespace, so the vector types, value
+// decoders and pieces of the dense kernels are reused, and its build table
+// (CpuKernels) carries these entry points too.
 //
 // Layout recap: values word [r, n] holds the 8 kept codes of K rows
 // 16r..16r+15: nibble j is kept weight j / 4 of block j % 4; metadata word
@@ -9,31 +10,25 @@
 // 4 blocks of values row r, so nibble j's position inside its block is bits
 // 4 (j % 4) + 2 (j / 4) .. + 1 of that half.
 //
-// GEMV: the weight is never expanded. Each slot's value is multiplied by the
-// x it belongs to, gathered per lane (column) from the block's 4 x values:
-// half the multiplies of the dense GEMV and a quarter less data.
-// GEMM: cache-sized dense fp32 tiles (zeros at pruned positions), then the
-// dense micro-kernel. Both check every metadata word they decode and return
-// nonzero if one holds an invalid pattern.
-#include "cpu/sparse24_kernel_args.h"
-
-namespace marlin {
-namespace cpu {
-namespace MARLIN_KERNEL_NS {
-namespace {
-
-// Written for 8-lane vectors: the avx2 and generic builds (sparse24_ops.cpp
-// runs these for every x86 build and for the others respectively).
-static_assert(MARLIN_VECTOR_BYTES == 32, "the 2:4 kernels are compiled into the 32-byte-vector builds only");
-typedef vf v8f;
-typedef vi v8i;
-typedef vu v8u;
-inline v8f load8(const float* p) { return load(p); }
-inline v8i load8(const int32_t* p) { return load(p); }
-inline void store8(float* p, v8f v) { store(p, v); }
+// GEMV: the weight is never expanded. fp32 x: each slot's value is
+// multiplied by the x it belongs to, gathered per lane (column) from the
+// block's 4 x values: half the multiplies of the dense GEMV and a quarter less
+// data. bf16 x on AVX512-BF16 (kSparseDot): a block's kept pair (v0, v1) is
+// one bf16 pair and (x[pos0], x[pos1]) another, looked up by the metadata
+// nibble in a 16-entry table of x pairs made once per block of x; one
+// vdpbf16ps then does the block's two products.
+// GEMM: cache-sized dense tiles (zeros at pruned positions), then the dense
+// micro-kernels (fp32, or bf16 pairs for fp4/int4 with bf16 x). Every kernel
+// checks each metadata word it decodes and returns nonzero if one holds an
+// invalid pattern.
 
 constexpr int kSparseChunkWords = 8;          // gemv: values rows per pass (128 K rows)
 constexpr int32_t kFillMetadata = 0x44444444;  // (0, 1) in every block: pads tail columns
+#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+constexpr bool kSparseDot = true;
+#else
+constexpr bool kSparseDot = false;
+#endif
 
 inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int width, int32_t fill) {
   memcpy(dst, src, count * sizeof(int32_t));
@@ -41,50 +36,87 @@ inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int w
 }
 
 // Nonzero lanes: a nibble of the metadata word is not pos0 < pos1.
-inline v8u metadata_invalid(v8i m) {
-  const v8u a = (v8u)m & 0x33333333u, b = ((v8u)m >> 2) & 0x33333333u;
+inline vu metadata_invalid(vi m) {
+  const vu a = (vu)m & 0x33333333u, b = ((vu)m >> 2) & 0x33333333u;
   // Per nibble 4 + pos1 - pos0 - 1, in 0..6, so no borrows: bit 2 set iff pos1 > pos0.
   return ~((b | 0x44444444u) - a - 0x11111111u) & 0x44444444u;
 }
 
-inline uint32_t any_lane(v8u v) {
+inline uint32_t any_lane(vu v) {
   uint32_t r = 0;
-  for (int i = 0; i < 8; ++i) r |= v[i];
+  for (int i = 0; i < kLanes; ++i) r |= v[i];
   return r;
 }
 
 // x gathered by position: lane l takes xb[idx_l & 3] of a block's 4 x values.
-// AVX2: vpermilps on the 4 values broadcast to both 128-bit halves reads
-// only index bits 0..1, so metadata shifted right by 2s is the index as it
-// is. Portable build: two bit selects on masks made once per slot.
-#if MARLIN_KERNEL_AVX2
-typedef float v4f __attribute__((vector_size(16)));
+// x86: vpermilps on the 4 values broadcast to every 128-bit lane reads only
+// index bits 0..1, so metadata shifted right by 2s is the index as it is.
+// Portable build: two bit selects on masks made once per slot.
+#if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2
 struct SlotIndex {
-  v8i idx;
+  vi idx;
 };
-inline SlotIndex slot_index(v8i shifted) { return {shifted}; }
-typedef v8f XBlock;
+inline SlotIndex slot_index(vi shifted) { return {shifted}; }
+typedef vf XBlock;
 inline XBlock load_block(const float* x4) {
+#if MARLIN_KERNEL_AVX512
+  return _mm512_broadcast_f32x4(_mm_loadu_ps(x4));
+#else
+  typedef float v4f __attribute__((vector_size(16)));
   v4f q;
   memcpy(&q, x4, sizeof(q));
   return __builtin_shufflevector(q, q, 0, 1, 2, 3, 0, 1, 2, 3);
+#endif
 }
-inline v8f gather(const XBlock& xb, const SlotIndex& s) { return __builtin_ia32_vpermilvarps256(xb, s.idx); }
+inline vf gather(const XBlock& xb, const SlotIndex& s) {
+#if MARLIN_KERNEL_AVX512
+  return _mm512_permutevar_ps(xb, (__m512i)s.idx);
+#else
+  return __builtin_ia32_vpermilvarps256(xb, s.idx);
+#endif
+}
 #else
 struct SlotIndex {
-  v8i odd, high;  // all-ones lanes where the position is odd / >= 2
+  vi odd, high;  // all-ones lanes where the position is odd / >= 2
 };
-inline SlotIndex slot_index(v8i shifted) { return {(shifted << 31) >> 31, (shifted << 30) >> 31}; }
+inline SlotIndex slot_index(vi shifted) { return {(shifted << 31) >> 31, (shifted << 30) >> 31}; }
 struct XBlock {
-  v8i x[4];
+  vi x[4];
 };
 inline XBlock load_block(const float* x4) {
-  return {{(v8i)splat(x4[0]), (v8i)splat(x4[1]), (v8i)splat(x4[2]), (v8i)splat(x4[3])}};
+  return {{(vi)splat(x4[0]), (vi)splat(x4[1]), (vi)splat(x4[2]), (vi)splat(x4[3])}};
 }
-inline v8f gather(const XBlock& xb, const SlotIndex& s) {
-  const v8i lo = (xb.x[1] & s.odd) | (xb.x[0] & ~s.odd), hi = (xb.x[3] & s.odd) | (xb.x[2] & ~s.odd);
-  return (v8f)((hi & s.high) | (lo & ~s.high));
+inline vf gather(const XBlock& xb, const SlotIndex& s) {
+  const vi lo = (xb.x[1] & s.odd) | (xb.x[0] & ~s.odd), hi = (xb.x[3] & s.odd) | (xb.x[2] & ~s.odd);
+  return (vf)((hi & s.high) | (lo & ~s.high));
 }
+#endif
+
+#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+// The x-pair table of one block of bf16 x (4 values at x4): entry n (0..15)
+// = x[n & 3] | x[n >> 2] << 16, so a metadata nibble pos0 | pos1 << 2 looks up
+// (x[pos0], x[pos1]). One vpermw of the 4 values.
+inline void make_pair_table(const uint16_t* x4, float* table) {
+  int64_t bits;
+  memcpy(&bits, x4, sizeof(bits));
+  typedef short v32s __attribute__((vector_size(64)));
+#define MARLIN_P(n) short((n) & 3), short((n) >> 2)
+  const v32s index = {MARLIN_P(0),  MARLIN_P(1),  MARLIN_P(2),  MARLIN_P(3), MARLIN_P(4),  MARLIN_P(5),
+                      MARLIN_P(6),  MARLIN_P(7),  MARLIN_P(8),  MARLIN_P(9), MARLIN_P(10), MARLIN_P(11),
+                      MARLIN_P(12), MARLIN_P(13), MARLIN_P(14), MARLIN_P(15)};
+#undef MARLIN_P
+  store(table, (vf)_mm512_permutexvar_epi16((__m512i)index, _mm512_set1_epi64(bits)));
+}
+
+// Block b's kept pair of each values word as bf16 (v0 low, v1 high):
+// nibbles b and b + 4, word bits 4b.. and 4b + 16...
+template <int F>
+inline vf decode_kept_pair(vi w, int b) {
+  return decode_bf16_pairs<F>(w, 0x3030202010100000ll + 0x0404040404040404ll * b);
+}
+
+// Lane l: table[idx_l & 15].
+inline vf lookup_pairs(vi idx, vf table) { return _mm512_permutexvar_ps((__m512i)idx, table); }
 #endif
 
 // The metadata code: how a values row finds the positions of its 8 slots.
@@ -96,9 +128,9 @@ struct NibbleMetadata {
   static constexpr int32_t kFill = kFillMetadata;  // a valid word for padded columns
   // Positions of values row `part` (0..kRowsPerWord-1) of metadata word vector m,
   // block b at bits 4b..4b+3; `bad` collects invalid patterns (checked once per word, with part 0).
-  static inline v8i positions(v8i m, int part, v8u& bad) {
+  static inline vi positions(vi m, int part, vu& bad) {
     if (part == 0) bad |= metadata_invalid(m);
-    return (v8i)((v8u)m >> (16 * part));
+    return (vi)((vu)m >> (16 * part));
   }
 };
 
@@ -106,7 +138,8 @@ struct NibbleMetadata {
 // GEMV
 
 struct SparseGemvChunk {
-  const float* x;        // the chunk's 16 * words K values of the block's first row
+  const float* x;        // fp32: the chunk's 16 * words K values of the block's first row;
+                         // Dot: its x-pair tables, 4 * 16 floats per values row
   int64_t ldx;           // row stride of x
   const int32_t* w;      // values row r0, first column of the strip
   int64_t ldw;           // values row stride (N, or kStrip for a padded copy)
@@ -118,36 +151,72 @@ struct SparseGemvChunk {
   const float* scale;
   const float* zero;     // (uint4)
   float* part;           // [rows, kStrip]: group partial sums between chunks
+  float* xpart;          // [rows, kStrip]: Dot uint4, partial sums of the kept x
   float* acc;            // [rows, kStrip]
 };
 
-// Rows [0, MR) of the block, columns [col, col + 8 * NV) of the strip.
-template <class Meta, int F, int MR, int NV>
-inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
-  v8f p[MR][NV];
+// Values rows of x per x-pair table row: 4 tables of 16 floats.
+constexpr int kPairTableFloats = 4 * 16;
+
+// Rows [0, MR) of the block, columns [col, col + kLanes * NV) of the strip.
+template <class Meta, int F, int MR, int NV, bool Dot>
+inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
+  // Dot uint4: q - zero is not exact in bf16, so the kept x are summed too
+  // (a dot with the pair (1, 1)) and zero * that sum is subtracted per group.
+  constexpr bool KeptXSum = Dot && F == kFormatUint4;
+  vf p[MR][NV], xs[KeptXSum ? MR : 1][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) p[i][v] = c.first ? v8f{} : load8(c.part + i * kStrip + col + 8 * v);
-  v8u bad = {};
+    for (int v = 0; v < NV; ++v) {
+      p[i][v] = c.first ? vf{} : load(c.part + i * kStrip + col + kLanes * v);
+      if (KeptXSum) xs[i][v] = c.first ? vf{} : load(c.xpart + i * kStrip + col + kLanes * v);
+    }
+  vu bad = {};
   for (int r = 0; r < c.words; ++r) {
     const int h = c.phase + r;
+    vi meta[NV];
+    for (int v = 0; v < NV; ++v)
+      meta[v] = Meta::positions(load(c.meta + (h / Meta::kRowsPerWord) * c.ldm + col + kLanes * v),
+                                h % Meta::kRowsPerWord, bad);
+#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+    if constexpr (Dot) {
+      vi w[NV];
+      for (int v = 0; v < NV; ++v) w[v] = load(c.w + r * c.ldw + col + kLanes * v);
+      const vf ones = (vf)(vi{} + 0x3F803F80);  // the bf16 pair (1, 1)
+#pragma GCC unroll 4
+      for (int b = 0; b < 4; ++b) {
+        vf pair[NV];
+        vi idx[NV];
+        for (int v = 0; v < NV; ++v) {
+          pair[v] = decode_kept_pair<F>(w[v], b);
+          idx[v] = (vi)((vu)meta[v] >> (4 * b));
+        }
+        for (int i = 0; i < MR; ++i) {
+          const vf table = load(c.x + i * c.ldx + kPairTableFloats * r + 16 * b);
+          for (int v = 0; v < NV; ++v) {
+            const vf xp = lookup_pairs(idx[v], table);
+            p[i][v] = dot_pairs(p[i][v], pair[v], xp);
+            if (KeptXSum) xs[i][v] = dot_pairs(xs[i][v], ones, xp);
+          }
+        }
+      }
+      continue;
+    }
+#endif
     GemvWords w[NV];
-    v8i meta[NV];
-    v8f zero[NV];
+    vf zero[NV];
     for (int v = 0; v < NV; ++v) {
-      w[v] = gemv_prepare<F, false>(load8(c.w + r * c.ldw + col + 8 * v));
-      const v8i m = load8(c.meta + (h / Meta::kRowsPerWord) * c.ldm + col + 8 * v);
-      meta[v] = Meta::positions(m, h % Meta::kRowsPerWord, bad);
-      zero[v] = F == kFormatUint4 ? load8(c.zero + col + 8 * v) : v8f{};
+      w[v] = gemv_prepare<F, false>(load(c.w + r * c.ldw + col + kLanes * v));
+      zero[v] = F == kFormatUint4 ? load(c.zero + col + kLanes * v) : vf{};
     }
     const float* x = c.x + kSparseValueRows * r;
 #pragma GCC unroll 8
     for (int s = 0; s < 8; ++s) {
-      v8f b[NV];
+      vf b[NV];
       SlotIndex idx[NV];
       for (int v = 0; v < NV; ++v) {
         b[v] = gemv_value<F, false>(w[v], s);
         if (F == kFormatUint4) b[v] -= zero[v];  // q - zero: a pruned weight is 0, not -zero
-        idx[v] = slot_index((v8i)((v8u)meta[v] >> (4 * (s & 3) + 2 * (s >> 2))));
+        idx[v] = slot_index((vi)((vu)meta[v] >> (4 * (s & 3) + 2 * (s >> 2))));
       }
       for (int i = 0; i < MR; ++i) {
         const XBlock xb = load_block(x + i * c.ldx + 4 * (s & 3));
@@ -157,82 +226,99 @@ inline v8u sparse_gemv_micro(const SparseGemvChunk& c, int col) {
   }
   for (int i = 0; i < MR; ++i) {
     for (int v = 0; v < NV; ++v) {
-      const int o = i * kStrip + col + 8 * v;
+      const int o = i * kStrip + col + kLanes * v;
       if (!c.last) {
-        store8(c.part + o, p[i][v]);
+        store(c.part + o, p[i][v]);
+        if (KeptXSum) store(c.xpart + o, xs[i][v]);
         continue;
       }
-      v8f sum = p[i][v];
-      if (F == kFormatFp4 && kGemvByteTable) sum *= 0.5f;
-      store8(c.acc + o, fmadd(load8(c.scale + col + 8 * v), sum, load8(c.acc + o)));
+      vf sum = p[i][v];
+      if (F == kFormatFp4 && kGemvByteTable && !Dot) sum *= 0.5f;
+      if (KeptXSum) sum -= load(c.zero + col + kLanes * v) * xs[i][v];
+      store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
     }
   }
   return bad;
 }
 
 // Register blocks: accumulators, values, indices and x of MR x NV fit the
-// 16 AVX2 registers; at least 4 independent accumulators per slot cover the
-// FMA latency (the portable build has two registers per vector).
-constexpr int kSparseGemvBlockRows = MARLIN_KERNEL_AVX2 ? 6 : 4;
-template <int MR>
-constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX2 ? (MR <= 4 ? 2 : 1) : (MR <= 2 ? 2 : 1);
+// registers (16 on AVX2, 32 on AVX-512; the portable build has two per
+// vector); enough independent accumulators per step cover the FMA latency.
+constexpr int kSparseGemvBlockRows = MARLIN_KERNEL_AVX512 ? 8 : MARLIN_KERNEL_AVX2 ? 6 : 4;
+template <int MR, bool KeptXSum>
+constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX512 ? (MR * (KeptXSum ? 2 : 1) <= 2 ? 4 : MR * (KeptXSum ? 2 : 1) <= 4 ? 2 : 1)
+                                   : MARLIN_KERNEL_AVX2 ? (MR <= 4 ? 2 : 1)
+                                                        : (MR <= 2 ? 2 : 1);
 
-template <class Meta, int F, int MR>
-inline v8u sparse_gemv_block(const SparseGemvChunk& c, int cols) {
-  constexpr int NV = kSparseGemvVectors<MR>;
-  v8u bad = {};
-  for (int col = 0; col < cols; col += 8 * NV) bad |= sparse_gemv_micro<Meta, F, MR, NV>(c, col);
+template <class Meta, int F, int MR, bool Dot>
+inline vu sparse_gemv_block(const SparseGemvChunk& c, int cols) {
+  constexpr int NV = kSparseGemvVectors<MR, Dot && F == kFormatUint4>;
+  vu bad = {};
+  for (int col = 0; col < cols; col += kLanes * NV) bad |= sparse_gemv_micro<Meta, F, MR, NV, Dot>(c, col);
   return bad;
 }
 
-template <class Meta, int F>
-v8u sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
-  v8u bad = {};
+template <class Meta, int F, bool Dot>
+vu sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
+  vu bad = {};
   for (int i = 0; i < rows;) {
     const int left = rows - i, blocks = (left + kSparseGemvBlockRows - 1) / kSparseGemvBlockRows;
     const int mr = (left + blocks - 1) / blocks;  // balanced blocks
-    switch (mr) {
-      case 1: bad |= sparse_gemv_block<Meta, F, 1>(c, cols); break;
-      case 2: bad |= sparse_gemv_block<Meta, F, 2>(c, cols); break;
-      case 3: bad |= sparse_gemv_block<Meta, F, 3>(c, cols); break;
-      case 4: bad |= sparse_gemv_block<Meta, F, 4>(c, cols); break;
-      case 5: bad |= sparse_gemv_block<Meta, F, 5>(c, cols); break;
-      default: bad |= sparse_gemv_block<Meta, F, 6>(c, cols); break;
-    }
+    with_rows(mr, [&]<int MR>() { bad |= sparse_gemv_block<Meta, F, MR, Dot>(c, cols); });
     c.x += mr * c.ldx;
     c.part += mr * kStrip;
+    c.xpart += mr * kStrip;
     c.acc += mr * kStrip;
     i += mr;
   }
   return bad;
 }
 
+// x of rows [m0, m0 + rows), values rows [r0, r0 + words) as the kernels read
+// it: fp32 values, or (Dot) x-pair tables; row stride ldx.
+template <bool Dot>
+inline void load_sparse_x(const Sparse24Args& a, int64_t m0, int rows, int64_t r0, int words, float* dst,
+                          int64_t ldx) {
+  for (int i = 0; i < rows; ++i) {
+#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+    if (Dot) {
+      const uint16_t* x = a.x_bf16 + (m0 + i) * a.k + kSparseValueRows * r0;
+      for (int b = 0; b < 4 * words; ++b) make_pair_table(x + 4 * b, dst + i * ldx + 16 * b);
+      continue;
+    }
+#endif
+    memcpy(dst + i * ldx, a.x + (m0 + i) * a.k + kSparseValueRows * r0, words * kSparseValueRows * sizeof(float));
+  }
+}
+
 // out[m0:m1, n0:n1] for m1 - m0 <= kMaxRows, one panel of kPanelStrips
 // strips at a time, as the dense gemv_impl: per chunk of K every strip of the
 // panel, so each values row is read as a run of kPanelStrips * 256 bytes.
-template <class Meta, int F>
-v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+template <class Meta, int F, bool Dot>
+vu sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   constexpr int R = Meta::kRowsPerWord;
   constexpr int kPanel = kPanelStrips * kStrip;
+  constexpr int x_per_row = Dot ? kPairTableFloats : kSparseValueRows;  // floats of x per values row
   const int rows = int(m1 - m0);
   const int64_t group_words = a.group_rows / kSparseValueRows;  // values rows per group (g16: one)
   const int64_t value_rows = a.k / kSparseValueRows;
   // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
   alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
+  alignas(64) float xpart[(Dot && F == kFormatUint4 ? kPanelStrips * kMaxRows : 1) * kStrip];
   alignas(64) float scale[kPanel], zero[kPanel];
   const PanelBuffers panel{scale, zero, part, acc};
   // Padded copies for tail strips and re-read weights (as the dense gemv).
   alignas(64) int32_t padded[kSparseChunkWords * kStrip];
   alignas(64) int32_t padded_meta[(kSparseChunkWords / R + 2) * kStrip];
-  alignas(64) float xbuf[kMaxRows * kSparseChunkWords * kSparseValueRows];
-  v8u bad = {};
+  alignas(64) float xbuf[kMaxRows * kSparseChunkWords * x_per_row];
+  vu bad = {};
   for (int64_t pb = n0; pb < n1; pb += kPanel) {
     const int64_t panel_cols = n1 - pb < kPanel ? n1 - pb : kPanel;
     const int strips = int((panel_cols + kStrip - 1) / kStrip);
     memset(acc, 0, strips * kMaxRows * kStrip * sizeof(float));
     SparseGemvChunk c;
     c.x = xbuf;
-    c.ldx = kSparseChunkWords * kSparseValueRows;
+    c.ldx = kSparseChunkWords * x_per_row;
     for (int64_t g = 0; g < a.groups; ++g) {
       load_panel_group<F>(a, g, pb, n1, strips, panel);
       for (int64_t w0 = 0; w0 < group_words; w0 += kSparseChunkWords) {
@@ -242,9 +328,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
         c.last = w0 + c.words == group_words;
         c.phase = int(r0 % R);
         const int64_t meta0 = r0 / R, meta_rows = (r0 + c.words - 1) / R - meta0 + 1;
-        for (int i = 0; i < rows; ++i)
-          memcpy(xbuf + i * c.ldx, a.x + (m0 + i) * a.k + kSparseValueRows * r0,
-                 c.words * kSparseValueRows * sizeof(float));
+        load_sparse_x<Dot>(a, m0, rows, r0, c.words, xbuf, c.ldx);
         // Fetch the panel's next chunk early (each values row is its own stream).
         for (int64_t r = r0 + c.words; r < r0 + c.words + kSparseChunkWords && r < value_rows; ++r) {
           for (int64_t l = 0; l < panel_cols; l += 16) __builtin_prefetch(a.packed + r * a.n + pb + l);
@@ -255,6 +339,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
           const int64_t nb = pb + s * kStrip;
           const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
           use_strip(c, panel, s);
+          c.xpart = xpart + (Dot && F == kFormatUint4 ? s * kMaxRows * kStrip : 0);
           if (cols == kStrip && rows <= kSparseGemvBlockRows) {  // read once: stream from the weight
             c.w = a.packed + r0 * a.n + nb;
             c.ldw = a.n;
@@ -271,7 +356,7 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
             c.meta = padded_meta;
             c.ldm = kStrip;
           }
-          bad |= sparse_gemv_rows<Meta, F>(c, rows, (cols + 7) & ~7);
+          bad |= sparse_gemv_rows<Meta, F, Dot>(c, rows, (cols + kLanes - 1) & ~(kLanes - 1));
         }
       }
     }
@@ -285,18 +370,19 @@ v8u sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, 
 // one, each prefetched ahead) with the per-column group sums in memory; the
 // strip-by-strip walk above reads 256 bytes per values row and then jumps N
 // words. Same sums in the same order as sparse_gemv_impl.
-template <class Meta, int F>
-v8u sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1) {
+template <class Meta, int F, bool Dot>
+vu sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int R = Meta::kRowsPerWord;
   const int64_t cols = n1 - n0, padded_cols = (cols + kStrip - 1) / kStrip * kStrip;
   const int64_t value_rows = a.k / kSparseValueRows, group_words = a.group_rows / kSparseValueRows;
-  // Per column: group partial sums, output sums and (uint4) the group's zeros,
-  // which every values row subtracts (a pruned weight is 0, not -zero).
-  float* sums = new float[3 * padded_cols];
-  float *part = sums, *acc = sums + padded_cols, *zeros = sums + 2 * padded_cols;
+  // Per column: group partial sums (of products, and Dot uint4 of the kept x),
+  // output sums and (uint4) the group's zeros.
+  float* sums = new float[4 * padded_cols];
+  float *part = sums, *xpart = sums + padded_cols, *acc = sums + 2 * padded_cols, *zeros = sums + 3 * padded_cols;
   memset(acc, 0, padded_cols * sizeof(float));
   alignas(64) int32_t tail[kStrip], tail_meta[kStrip];
-  alignas(32) float scale[kStrip];
+  alignas(64) float scale[kStrip];
+  alignas(64) float x_row[Dot ? kPairTableFloats : 1];
   SparseGemvChunk c;
   c.ldx = kSparseValueRows;
   c.ldw = kStrip;
@@ -305,13 +391,18 @@ v8u sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1
   c.scale = scale;
   // The prefetch cursor: the same walk over (values row, column), kStreamPrefetchWords ahead.
   int64_t ahead_row = kStreamPrefetchWords / cols, ahead_col = kStreamPrefetchWords % cols;
-  v8u bad = {};
+  vu bad = {};
   for (int64_t r = 0; r < value_rows; ++r) {
     const int64_t g = r / group_words;
     c.first = r % group_words == 0;
     c.last = r % group_words == group_words - 1;
     c.phase = int(r % R);
-    c.x = a.x + m0 * a.k + kSparseValueRows * r;
+    if (Dot) {
+      load_sparse_x<Dot>(a, m0, 1, r, 1, x_row, kPairTableFloats);
+      c.x = x_row;
+    } else {
+      c.x = a.x + m0 * a.k + kSparseValueRows * r;
+    }
     if (F == kFormatUint4 && c.first)
       for (int64_t nb = 0; nb < cols; nb += kStrip)
         copy_halves(zeros + nb, a.zeros + g * a.n + n0 + nb, cols - nb < kStrip ? cols - nb : kStrip, kStrip);
@@ -342,8 +433,9 @@ v8u sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1
       if (c.last) copy_halves(scale, a.scales + g * a.n + n0 + nb, left, kStrip);
       c.zero = zeros + nb;
       c.part = part + nb;
+      c.xpart = xpart + nb;
       c.acc = acc + nb;
-      bad |= sparse_gemv_block<Meta, F, 1>(c, kStrip);
+      bad |= sparse_gemv_block<Meta, F, 1, Dot>(c, kStrip);
     }
   }
   memcpy(a.out + m0 * a.n + n0, acc, cols * sizeof(float));
@@ -355,27 +447,29 @@ v8u sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1
 // Dense tiles for the GEMM and dequantize
 
 // All-ones lanes where p == c (p in 0..3).
-inline v8i equals(v8i p, int c) {
-#if MARLIN_KERNEL_AVX2
-  return (v8i)(p == c);
+inline vi equals(vi p, int c) {
+#if MARLIN_KERNEL_AVX2 || MARLIN_KERNEL_AVX512
+  return (vi)(p == c);
 #else
   return ((p ^ c) - 1) >> 31;  // compares become scalar code without AVX
 #endif
 }
-inline v8f keep_if(v8f v, v8i mask) { return (v8f)((v8i)v & mask); }
+inline vf keep_if(vf v, vi mask) { return (vf)((vi)v & mask); }
 
-// Rows [k0, k0 + rows) (whole metadata words) x columns [nb, nb + 64) of B
-// into an fp32 tile with row stride 64; pruned weights are +0.
-template <int F>
-v8u sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t nb, float* tile) {
+// Rows [k0, k0 + rows) (whole values rows) x columns [nb, nb + 64) of B into
+// a tile with row stride 64, pruned weights +0. Scaled: fp32 B. Unscaled
+// (Pairs): the codes' values as bf16 pairs of K rows (2q, 2q + 1) in tile row
+// q - 64 fp32-sized pairs per row, the layout of the dense gemm_tile_dot.
+template <int F, bool Pairs>
+vu sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t nb, float* tile) {
   const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
-  alignas(32) int32_t words[kTileCols], metas[kTileCols];
-  alignas(32) float scale[kTileCols], zero[kTileCols];
+  alignas(64) int32_t words[kTileCols], metas[kTileCols];
+  alignas(64) float scale[kTileCols], zero[kTileCols];
   int64_t group = -1;
-  v8u bad = {};
+  vu bad = {};
   for (int64_t r = k0 / kSparseValueRows; r < (k0 + rows) / kSparseValueRows; ++r) {
     const int64_t g = r * kSparseValueRows / a.group_rows;
-    if (g != group) {  // groups span whole values words
+    if (!Pairs && g != group) {  // groups span whole values words
       group = g;
       copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
       if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
@@ -388,86 +482,86 @@ v8u sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t
       src = words;
       msrc = metas;
     }
-    float* dst = tile + (r * kSparseValueRows - k0) * kTileCols;
-    for (int q = 0; q < kTileCols / 8; ++q) {
-      const v8i w = prepare_words<F>(load8(src + 8 * q));
-      v8i m = load8(msrc + 8 * q);
+    const int64_t row0 = r * kSparseValueRows - k0;
+    for (int q = 0; q < kTileCols / kLanes; ++q) {
+      const vi w = prepare_words<F>(load(src + kLanes * q));
+      vi m = load(msrc + kLanes * q);
       if (!(r & 1)) bad |= metadata_invalid(m);
-      m = (v8i)((v8u)m >> (16 * (r & 1)));
-      const v8f s = load8(scale + 8 * q);
-      const v8f z = F == kFormatUint4 ? load8(zero + 8 * q) : v8f{};
+      m = (vi)((vu)m >> (16 * (r & 1)));
+      const vf s = Pairs ? vf{} : load(scale + kLanes * q);
+      const vf z = F == kFormatUint4 && !Pairs ? load(zero + kLanes * q) : vf{};
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
-        v8f v0 = decode_nibble<F>(w, b), v1 = decode_nibble<F>(w, b + 4);
-        v0 = F == kFormatUint4 ? (v0 - z) * s : v0 * s;
-        v1 = F == kFormatUint4 ? (v1 - z) * s : v1 * s;
-        const v8i p0 = (m >> (4 * b)) & 3, p1 = (m >> (4 * b + 2)) & 3;
-        float* d = dst + 4 * b * kTileCols + 8 * q;
+        vf v0 = decode_nibble<F>(w, b), v1 = decode_nibble<F>(w, b + 4);
+        if (!Pairs) {
+          v0 = F == kFormatUint4 ? (v0 - z) * s : v0 * s;
+          v1 = F == kFormatUint4 ? (v1 - z) * s : v1 * s;
+        }
+        const vi p0 = (m >> (4 * b)) & 3, p1 = (m >> (4 * b + 2)) & 3;
         // pos0 < pos1: row 0 can only be pos0, row 3 only pos1.
-        store8(d, keep_if(v0, equals(p0, 0)));
-        store8(d + kTileCols, (v8f)((v8i)keep_if(v0, equals(p0, 1)) | (v8i)keep_if(v1, equals(p1, 1))));
-        store8(d + 2 * kTileCols, (v8f)((v8i)keep_if(v0, equals(p0, 2)) | (v8i)keep_if(v1, equals(p1, 2))));
-        store8(d + 3 * kTileCols, keep_if(v1, equals(p1, 3)));
+        const vf d0 = keep_if(v0, equals(p0, 0));
+        const vf d1 = (vf)((vi)keep_if(v0, equals(p0, 1)) | (vi)keep_if(v1, equals(p1, 1)));
+        const vf d2 = (vf)((vi)keep_if(v0, equals(p0, 2)) | (vi)keep_if(v1, equals(p1, 2)));
+        const vf d3 = keep_if(v1, equals(p1, 3));
+        if (Pairs) {  // code values are exact in bf16: their top halves
+          float* d = tile + (row0 + 4 * b) / 2 * kTileCols + kLanes * q;
+          store(d, (vf)(((vu)d0 >> 16) | ((vu)d1 & 0xFFFF0000u)));
+          store(d + kTileCols, (vf)(((vu)d2 >> 16) | ((vu)d3 & 0xFFFF0000u)));
+        } else {
+          float* d = tile + (row0 + 4 * b) * kTileCols + kLanes * q;
+          store(d, d0);
+          store(d + kTileCols, d1);
+          store(d + 2 * kTileCols, d2);
+          store(d + 3 * kTileCols, d3);
+        }
       }
     }
   }
+  return bad;
+}
+
+// The dense GEMM loops (gemm_tiles / gemm_tiles_dot) on 2:4 tiles. bf16 x
+// takes the pair path for fp4 and int4; uint4's zero point needs the kept
+// x's sums per column, so it takes the fp32 path (the op passes x in both).
+template <int F>
+vu sparse_gemm_tile_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+  vu bad = {};
+#if MARLIN_KERNEL_BF16_DOT
+  if (kSparseDot && F != kFormatUint4 && a.x_bf16) {
+    gemm_tiles_dot<F>(a, m0, m1, nb, scratch, [&](int64_t k0, int64_t rows, float* tile) {
+      bad |= sparse_dequant_tile<F, true>(a, k0, rows, nb, tile);
+    });
+    return bad;
+  }
+#endif
+  gemm_tiles(a, m0, m1, nb, scratch, [&](int64_t k0, int64_t rows, float* tile) {
+    bad |= sparse_dequant_tile<F, false>(a, k0, rows, nb, tile);
+  });
   return bad;
 }
 
 template <int F>
-v8u sparse_gemm_tile_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  float* tile = scratch;
-  float* acc = scratch + kTileRows * kTileCols;
-  v8u bad = {};
-  memset(acc, 0, (m1 - m0) * kTileCols * sizeof(float));
-  for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
-    const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
-    bad |= sparse_dequant_tile<F>(a, k0, rows, nb, tile);
-    for (int col = 0; col < kTileCols; col += 16) {
-      int64_t m = m0;
-      for (; m + 6 <= m1; m += 6)
-        micro_kernel<6>(a.x + m * a.k + k0, a.k, rows, tile, col, acc + (m - m0) * kTileCols);
-      const float* x = a.x + m * a.k + k0;
-      float* c = acc + (m - m0) * kTileCols;
-      switch (m1 - m) {
-        case 5: micro_kernel<5>(x, a.k, rows, tile, col, c); break;
-        case 4: micro_kernel<4>(x, a.k, rows, tile, col, c); break;
-        case 3: micro_kernel<3>(x, a.k, rows, tile, col, c); break;
-        case 2: micro_kernel<2>(x, a.k, rows, tile, col, c); break;
-        case 1: micro_kernel<1>(x, a.k, rows, tile, col, c); break;
-        default: break;
-      }
-    }
-  }
-  const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
-  for (int64_t m = m0; m < m1; ++m)
-    memcpy(a.out + m * a.n + nb, acc + (m - m0) * kTileCols, cols * sizeof(float));
-  return bad;
-}
-
-}  // namespace
-
-uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  v8u bad = {};
+vu sparse_gemv_format(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  vu bad = {};
   for (int64_t m = m0; m < m1; m += kMaxRows) {
     const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
     const bool stream = kGemvStream && e - m == 1 && n1 - n0 >= kStreamMinCols;
-    switch (a.format) {
-      case kFormatFp4:
-        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatFp4>(a, m, n0, n1)
-                      : sparse_gemv_impl<NibbleMetadata, kFormatFp4>(a, m, e, n0, n1);
-        break;
-      case kFormatInt4:
-        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatInt4>(a, m, n0, n1)
-                      : sparse_gemv_impl<NibbleMetadata, kFormatInt4>(a, m, e, n0, n1);
-        break;
-      default:
-        bad |= stream ? sparse_gemv_stream<NibbleMetadata, kFormatUint4>(a, m, n0, n1)
-                      : sparse_gemv_impl<NibbleMetadata, kFormatUint4>(a, m, e, n0, n1);
-        break;
-    }
+    if (kSparseDot && a.x_bf16)
+      bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, true>(a, m, n0, n1)
+                    : sparse_gemv_impl<NibbleMetadata, F, true>(a, m, e, n0, n1);
+    else
+      bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, false>(a, m, n0, n1)
+                    : sparse_gemv_impl<NibbleMetadata, F, false>(a, m, e, n0, n1);
   }
-  return any_lane(bad);
+  return bad;
+}
+
+uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+  switch (a.format) {
+    case kFormatFp4: return any_lane(sparse_gemv_format<kFormatFp4>(a, m0, m1, n0, n1));
+    case kFormatInt4: return any_lane(sparse_gemv_format<kFormatInt4>(a, m0, m1, n0, n1));
+    default: return any_lane(sparse_gemv_format<kFormatUint4>(a, m0, m1, n0, n1));
+  }
 }
 
 uint32_t sparse24_gemm_tile(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
@@ -480,12 +574,8 @@ uint32_t sparse24_gemm_tile(const Sparse24Args& a, int64_t m0, int64_t m1, int64
 
 uint32_t sparse24_dequantize_rows(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
   switch (a.format) {
-    case kFormatFp4: return any_lane(sparse_dequant_tile<kFormatFp4>(a, k0, k1 - k0, nb, tile));
-    case kFormatInt4: return any_lane(sparse_dequant_tile<kFormatInt4>(a, k0, k1 - k0, nb, tile));
-    default: return any_lane(sparse_dequant_tile<kFormatUint4>(a, k0, k1 - k0, nb, tile));
+    case kFormatFp4: return any_lane(sparse_dequant_tile<kFormatFp4, false>(a, k0, k1 - k0, nb, tile));
+    case kFormatInt4: return any_lane(sparse_dequant_tile<kFormatInt4, false>(a, k0, k1 - k0, nb, tile));
+    default: return any_lane(sparse_dequant_tile<kFormatUint4, false>(a, k0, k1 - k0, nb, tile));
   }
 }
-
-}  // namespace MARLIN_KERNEL_NS
-}  // namespace cpu
-}  // namespace marlin

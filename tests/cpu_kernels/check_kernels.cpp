@@ -6,7 +6,8 @@
 //   check_kernels [--expect-selected BUILD]
 //
 // Checks every build this CPU runs (gemv and gemm_tile on fp32 x, and on
-// bf16 x for builds with bf16 dot products; dequantize_rows exactly), prints
+// bf16 x for builds with bf16 dot products; dequantize_rows exactly; the
+// same for the 2:4 entry points, and that they report invalid metadata), prints
 // "PASS <build>" or "SKIP <build>: <why>" per build, and exits 1 on any
 // mismatch. --expect-selected also checks the automatic choice.
 #include <math.h>
@@ -206,6 +207,112 @@ void run_dequantize(const CpuKernels& kern, const Problem& p, const std::string&
   if (worst > 0) fail(what + " dequantize_rows: not exact");
 }
 
+// ---------------------------------------------------------------------------
+// The 2:4 layout (docs/FORMAT.md): in every block of 4 K rows two codes are
+// kept at positions pos0 < pos1; values word [r, n] holds nibble j = kept
+// weight j / 4 of block j % 4 of K rows 16r..16r+15, metadata word [r / 2, n]
+// the nibble pos0 | pos1 << 2 of block b of values row r at bit 16 (r % 2) + 4b.
+struct SparseProblem {
+  const Problem& d;  // x, scales and zeros are the dense problem's
+  std::vector<int32_t> values, metadata;
+  std::vector<float> x_of_bf16;  // bf16 x widened: what the op passes beside x_bf16
+  std::vector<double> w;         // [k, n] dequantized, pruned weights 0
+
+  explicit SparseProblem(const Problem& dense) : d(dense) {
+    const Case& c = d.c;
+    values.assign(c.k / 16 * c.n, 0);
+    metadata.assign(c.k / 32 * c.n, 0);
+    w.assign(c.k * c.n, 0.0);
+    static const int kPatterns[6][2] = {{0, 1}, {0, 2}, {0, 3}, {1, 2}, {1, 3}, {2, 3}};
+    for (int64_t blk = 0; blk < c.k / 4; ++blk) {
+      const int64_t r = blk / 4, b = blk % 4;
+      for (int64_t j = 0; j < c.n; ++j) {
+        const int* pat = kPatterns[next_u32() % 6];
+        metadata[r / 2 * c.n + j] |= int32_t(uint32_t(pat[0] | pat[1] << 2) << (16 * (r % 2) + 4 * b));
+        for (int slot = 0; slot < 2; ++slot) {
+          const int code = int(next_u32() & 15);
+          values[r * c.n + j] |= int32_t(uint32_t(code) << (4 * (b + 4 * slot)));
+          const int64_t row = 4 * blk + pat[slot], g = row / d.group_rows;
+          w[row * c.n + j] = code_value(c.format, code, half_value(d.zeros[g * c.n + j])) * half_value(d.scales[g * c.n + j]);
+        }
+      }
+    }
+    for (uint16_t b : d.x_bf16) x_of_bf16.push_back(float(bf16_value(b)));
+  }
+
+  Sparse24Args args(bool bf16, std::vector<float>& out) const {
+    Sparse24Args a{};
+    static_cast<GemmArgs&>(a) = d.args();
+    a.packed = values.data();
+    a.metadata = metadata.data();
+    a.x = bf16 ? x_of_bf16.data() : d.x.data();
+    if (bf16) a.x_bf16 = d.x_bf16.data();
+    out.assign(d.c.m * d.c.n, NAN);
+    a.out = out.data();
+    return a;
+  }
+};
+
+void check_sparse_gemm(const SparseProblem& sp, bool bf16, const std::vector<float>& out, const std::string& what) {
+  Problem view = sp.d;  // the same x with the 2:4 weight
+  view.w = sp.w;
+  check_gemm(view, bf16, out, what);
+}
+
+void run_sparse(const CpuKernels& kern, const SparseProblem& sp, bool bf16, const std::string& what) {
+  const Case& c = sp.d.c;
+  std::vector<float> out;
+  Sparse24Args a = sp.args(bf16, out);
+  uint32_t bad = 0;
+  for (int64_t n0 = 0; n0 < c.n;) {
+    const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < c.n ? n0 + kGemvBlockCols * (1 + n0 % 2) : c.n;
+    bad |= kern.sparse24_gemv(a, 0, c.m, n0, n1);
+    n0 = n1;
+  }
+  check_sparse_gemm(sp, bf16, out, what + " sparse24_gemv");
+  a = sp.args(bf16, out);
+  const int64_t rows = c.m > 20 ? 20 : c.m;
+  std::vector<float> scratch(gemm_scratch_floats(rows));
+  for (int64_t m0 = 0; m0 < c.m; m0 += rows)
+    for (int64_t nb = 0; nb < c.n; nb += kGemmBlockCols)
+      bad |= kern.sparse24_gemm_tile(a, m0, m0 + rows < c.m ? m0 + rows : c.m, nb, scratch.data());
+  check_sparse_gemm(sp, bf16, out, what + " sparse24_gemm_tile");
+  if (bad) fail(what + ": valid metadata reported invalid");
+}
+
+// Exact as the dense dequantize; and a metadata word with an invalid pattern
+// (equal positions) in the last column is reported by every entry point.
+void run_sparse_dequantize(const CpuKernels& kern, const SparseProblem& sp, const std::string& what) {
+  const Case& c = sp.d.c;
+  std::vector<float> out;
+  Sparse24Args a = sp.args(false, out);
+  std::vector<float> tile(kGemmBlockRows * kGemmBlockCols);
+  double worst = 0;
+  for (int64_t k0 = 0; k0 < c.k; k0 += kGemmBlockRows) {
+    const int64_t k1 = k0 + kGemmBlockRows < c.k ? k0 + kGemmBlockRows : c.k;
+    for (int64_t nb = 0; nb < c.n; nb += kGemmBlockCols) {
+      if (kern.sparse24_dequantize_rows(a, k0, k1, nb, tile.data())) worst += 1;
+      for (int64_t r = k0; r < k1; ++r)
+        for (int64_t j = nb; j < c.n && j < nb + kGemmBlockCols; ++j) {
+          const double ref = sp.w[r * c.n + j], got = tile[(r - k0) * kGemmBlockCols + j - nb];
+          const double bound = c.format == kFormatUint4 ? ldexp(fabs(ref), -23) : 0.0;
+          if (!(fabs(got - ref) <= bound)) worst += 1;
+        }
+    }
+  }
+  if (worst > 0) fail(what + " sparse24_dequantize_rows: not exact");
+  std::vector<int32_t> broken = sp.metadata;
+  const int64_t word = (c.k / 32 - 1) * c.n + c.n - 1;
+  broken[word] = int32_t((uint32_t(broken[word]) & ~0xF0000u) | 0x50000u);  // (1, 1)
+  a.metadata = broken.data();
+  std::vector<float> scratch(gemm_scratch_floats(c.m));
+  const uint32_t seen[3] = {kern.sparse24_gemv(a, 0, c.m, 0, c.n),
+                            kern.sparse24_gemm_tile(a, 0, c.m, (c.n - 1) / kGemmBlockCols * kGemmBlockCols, scratch.data()),
+                            kern.sparse24_dequantize_rows(a, c.k - 32, c.k, (c.n - 1) / kGemmBlockCols * kGemmBlockCols, tile.data())};
+  for (uint32_t b : seen)
+    if (!b) fail(what + ": an invalid metadata word went unreported");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -230,6 +337,9 @@ int main(int argc, char** argv) {
   }
   std::vector<Problem> problems;
   for (const Case& c : cases) problems.emplace_back(c);
+  std::vector<SparseProblem> sparse;  // the 2:4 layout needs K a multiple of 32
+  for (const Problem& p : problems)
+    if (p.c.k % 32 == 0) sparse.emplace_back(p);
 
   int checked = 0;
   for (const std::string& name : kernel_build_names()) {
@@ -252,8 +362,21 @@ int main(int argc, char** argv) {
       }
       run_dequantize(kern, p, name + " " + format_name(p.c.format));
     }
-    printf("%s %s (%zu cases%s)\n", failures == before ? "PASS" : "FAIL", name.c_str(), problems.size(),
-           kern.bf16_x ? ", fp32 and bf16 x" : ", fp32 x");
+    for (const SparseProblem& sp : sparse) {
+      const Case& c = sp.d.c;
+      for (bool bf16 : {false, true}) {
+        if (bf16 && !kern.sparse24_bf16_x) continue;
+        char what[160];
+        snprintf(what, sizeof(what), "%s 2:4 %s x=%s m=%lld n=%lld k=%lld g=%lld", name.c_str(),
+                 format_name(c.format), bf16 ? "bf16" : "fp32", (long long)c.m, (long long)c.n, (long long)c.k,
+                 (long long)c.group_size);
+        run_sparse(kern, sp, bf16, what);
+      }
+      run_sparse_dequantize(kern, sp, name + " 2:4 " + format_name(c.format));
+    }
+    printf("%s %s (%zu dense and %zu 2:4 cases; dense %s, 2:4 %s)\n", failures == before ? "PASS" : "FAIL",
+           name.c_str(), problems.size(), sparse.size(), kern.bf16_x ? "fp32 and bf16 x" : "fp32 x",
+           kern.sparse24_bf16_x ? "fp32 and bf16 x" : "fp32 x");
     ++checked;
   }
 

@@ -24,6 +24,18 @@ _LAYOUTS: Dict[int, Type["QuantizedLayout"]] = {}
 _SPARSITIES: Dict[str, Type["QuantizedLayout"]] = {}
 
 
+def fake_gemm_output(x: torch.Tensor, weight: torch.Tensor, weight_name: str, k: int, n: int,
+                     bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A gemm op's fake kernel: the checks on x and bias (the C++ op's words) and the empty output."""
+    torch._check(x.dtype in formats.ACTIVATION_DTYPES, lambda: f"x must be float16, bfloat16 or float32, got {x.dtype}")
+    torch._check(x.device == weight.device,
+                 lambda: f"x must be on the same device as {weight_name} ({weight.device}), got {x.device}")
+    torch._check(x.dim() >= 1 and x.shape[-1] == k, lambda: f"x.size(-1) must equal K = {k}, got {list(x.shape)}")
+    if bias is not None:
+        torch._check(tuple(bias.shape) == (n,), lambda: f"bias must have shape [{n}], got {list(bias.shape)}")
+    return x.new_empty((*x.shape[:-1], n))
+
+
 def register_layout(cls: Type["QuantizedLayout"]) -> Type["QuantizedLayout"]:
     """Class decorator: makes a layout known to MarlinLinear's state_dict guard
     (and, if it sets SPARSITY, to `sparsity=` arguments)."""

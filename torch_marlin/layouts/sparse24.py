@@ -30,7 +30,7 @@ from torch.nn import functional as F
 
 from .. import formats
 from .. import ops  # noqa: F401  (loads torch.ops.marlin)
-from .base import QuantizedLayout, register_layout
+from .base import QuantizedLayout, fake_gemm_output, register_layout
 
 BLOCK = 4  # weights per 2:4 block along K
 VALUE_ROWS = 16  # K rows per values word (8 kept codes)
@@ -299,13 +299,7 @@ class SparseQuantizedWeight(QuantizedLayout):
 @torch.library.register_fake("marlin::sparse24_gemm")
 def _gemm_fake(x, values, metadata, scales, zeros, bias, weight_format, group_size):
     k, n, _ = check_sparse_quantized(values, metadata, scales, zeros, weight_format, group_size)
-    torch._check(x.dtype in formats.ACTIVATION_DTYPES, lambda: f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    torch._check(x.device == values.device,
-                 lambda: f"x must be on the same device as values ({values.device}), got {x.device}")
-    torch._check(x.dim() >= 1 and x.shape[-1] == k, lambda: f"x.size(-1) must equal K = {k}, got {list(x.shape)}")
-    if bias is not None:
-        torch._check(tuple(bias.shape) == (n,), lambda: f"bias must have shape [{n}], got {list(bias.shape)}")
-    return x.new_empty((*x.shape[:-1], n))
+    return fake_gemm_output(x, values, "values", k, n, bias)
 
 
 @torch.library.register_fake("marlin::sparse24_dequantize")

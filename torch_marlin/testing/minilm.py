@@ -52,3 +52,17 @@ def embed(model, batch) -> torch.Tensor:
         hidden = model(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
     return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+
+def load_offline():
+    """(fresh, tokenizer, batch) with transformers offline and quiet: fresh() builds a new
+    float model from the checkpoint, batch is SENTENCES tokenized. ImportError as model_dir."""
+    import transformers
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = model_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    batch = tokenizer(SENTENCES, padding=True, truncation=True, return_tensors="pt")
+    return (lambda: transformers.AutoModel.from_pretrained(path).eval()), tokenizer, batch
