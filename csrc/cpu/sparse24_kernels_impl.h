@@ -24,11 +24,9 @@
 
 constexpr int kSparseChunkWords = 8;          // gemv: values rows per pass (128 K rows)
 constexpr int32_t kFillMetadata = 0x44444444;  // (0, 1) in every block: pads tail columns
-#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
-constexpr bool kSparseDot = true;
-#else
-constexpr bool kSparseDot = false;
-#endif
+// The bf16 pair path (vpmultishiftqb, vpermw, vdpbf16ps): AVX512-BF16 builds only.
+#define MARLIN_SPARSE24_DOT (MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT)
+constexpr bool kSparseDot = MARLIN_SPARSE24_DOT;
 
 inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int width, int32_t fill) {
   memcpy(dst, src, count * sizeof(int32_t));
@@ -92,7 +90,7 @@ inline vf gather(const XBlock& xb, const SlotIndex& s) {
 }
 #endif
 
-#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+#if MARLIN_SPARSE24_DOT
 // The x-pair table of one block of bf16 x (4 values at x4): entry n (0..15)
 // = x[n & 3] | x[n >> 2] << 16, so a metadata nibble pos0 | pos1 << 2 looks up
 // (x[pos0], x[pos1]). One vpermw of the 4 values.
@@ -177,7 +175,7 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
     for (int v = 0; v < NV; ++v)
       meta[v] = Meta::positions(load(c.meta + (h / Meta::kRowsPerWord) * c.ldm + col + kLanes * v),
                                 h % Meta::kRowsPerWord, bad);
-#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+#if MARLIN_SPARSE24_DOT
     if constexpr (Dot) {
       vi w[NV];
       for (int v = 0; v < NV; ++v) w[v] = load(c.w + r * c.ldw + col + kLanes * v);
@@ -264,7 +262,7 @@ vu sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
   for (int i = 0; i < rows;) {
     const int left = rows - i, blocks = (left + kSparseGemvBlockRows - 1) / kSparseGemvBlockRows;
     const int mr = (left + blocks - 1) / blocks;  // balanced blocks
-    with_rows(mr, [&]<int MR>() { bad |= sparse_gemv_block<Meta, F, MR, Dot>(c, cols); });
+    with_rows<kSparseGemvBlockRows>(mr, [&]<int MR>() { bad |= sparse_gemv_block<Meta, F, MR, Dot>(c, cols); });
     c.x += mr * c.ldx;
     c.part += mr * kStrip;
     c.xpart += mr * kStrip;
@@ -280,7 +278,7 @@ template <bool Dot>
 inline void load_sparse_x(const Sparse24Args& a, int64_t m0, int rows, int64_t r0, int words, float* dst,
                           int64_t ldx) {
   for (int i = 0; i < rows; ++i) {
-#if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT
+#if MARLIN_SPARSE24_DOT
     if (Dot) {
       const uint16_t* x = a.x_bf16 + (m0 + i) * a.k + kSparseValueRows * r0;
       for (int b = 0; b < 4 * words; ++b) make_pair_table(x + 4 * b, dst + i * ldx + 16 * b);
@@ -526,8 +524,8 @@ vu sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t 
 template <int F>
 vu sparse_gemm_tile_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
   vu bad = {};
-#if MARLIN_KERNEL_BF16_DOT
-  if (kSparseDot && F != kFormatUint4 && a.x_bf16) {
+#if MARLIN_SPARSE24_DOT
+  if (F != kFormatUint4 && a.x_bf16) {
     gemm_tiles_dot<F>(a, m0, m1, nb, scratch, [&](int64_t k0, int64_t rows, float* tile) {
       bad |= sparse_dequant_tile<F, true>(a, k0, rows, nb, tile);
     });
@@ -546,12 +544,15 @@ vu sparse_gemv_format(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0,
   for (int64_t m = m0; m < m1; m += kMaxRows) {
     const int64_t e = m1 - m < kMaxRows ? m1 : m + kMaxRows;
     const bool stream = kGemvStream && e - m == 1 && n1 - n0 >= kStreamMinCols;
-    if (kSparseDot && a.x_bf16)
-      bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, true>(a, m, n0, n1)
-                    : sparse_gemv_impl<NibbleMetadata, F, true>(a, m, e, n0, n1);
-    else
-      bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, false>(a, m, n0, n1)
-                    : sparse_gemv_impl<NibbleMetadata, F, false>(a, m, e, n0, n1);
+    if constexpr (kSparseDot) {  // the Dot variants exist only in the builds that run them
+      if (a.x_bf16) {
+        bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, true>(a, m, n0, n1)
+                      : sparse_gemv_impl<NibbleMetadata, F, true>(a, m, e, n0, n1);
+        continue;
+      }
+    }
+    bad |= stream ? sparse_gemv_stream<NibbleMetadata, F, false>(a, m, n0, n1)
+                  : sparse_gemv_impl<NibbleMetadata, F, false>(a, m, e, n0, n1);
   }
   return bad;
 }

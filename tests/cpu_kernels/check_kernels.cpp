@@ -124,16 +124,17 @@ void fail(const std::string& what) {
   if (++failures <= 20) printf("FAIL %s\n", what.c_str());
 }
 
-// out (fp32) against x @ w in float64: fp32 accumulation error only.
-void check_gemm(const Problem& p, bool bf16, const std::vector<float>& out, const std::string& what) {
+// out (fp32) against p's x @ w ([k, n], p.w or a 2:4 weight) in float64: fp32 accumulation error only.
+void check_gemm(const Problem& p, const std::vector<double>& w, bool bf16, const std::vector<float>& out,
+                const std::string& what) {
   double worst = 0;
   for (int64_t i = 0; i < p.c.m; ++i) {
     for (int64_t j = 0; j < p.c.n; ++j) {
       double ref = 0, magnitude = 0;
       for (int64_t r = 0; r < p.c.k; ++r) {
         const double xv = bf16 ? bf16_value(p.x_bf16[i * p.c.k + r]) : p.x[i * p.c.k + r];
-        ref += xv * p.w[r * p.c.n + j];
-        magnitude += fabs(xv * p.w[r * p.c.n + j]);
+        ref += xv * w[r * p.c.n + j];
+        magnitude += fabs(xv * w[r * p.c.n + j]);
       }
       const double err = fabs(out[i * p.c.n + j] - ref), bound = 1e-6 * magnitude + 1e-30;
       if (!(err <= bound) && err / bound > worst) worst = err / bound;
@@ -162,27 +163,39 @@ GemmArgs gemm_args(const Problem& p, bool bf16, std::vector<float>& xsum, std::v
   return a;
 }
 
+// gemv(n0, n1) over uneven column ranges: the kernels must handle any [n0, n1).
+template <class Gemv>
+void over_gemv_ranges(int64_t n, Gemv&& gemv) {
+  for (int64_t n0 = 0; n0 < n;) {
+    const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < n ? n0 + kGemvBlockCols * (1 + n0 % 2) : n;
+    gemv(n0, n1);
+    n0 = n1;
+  }
+}
+
+// gemm_tile(m0, m1, nb, scratch) over every column tile, in several row blocks when M is large.
+template <class GemmTile>
+void over_gemm_tiles(int64_t m, int64_t n, GemmTile&& gemm_tile) {
+  const int64_t rows = m > 20 ? 20 : m;
+  std::vector<float> scratch(gemm_scratch_floats(rows));
+  for (int64_t m0 = 0; m0 < m; m0 += rows)
+    for (int64_t nb = 0; nb < n; nb += kGemmBlockCols) gemm_tile(m0, m0 + rows < m ? m0 + rows : m, nb, scratch.data());
+}
+
 void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
   std::vector<float> out, xsum;
   const GemmArgs a = gemm_args(p, bf16, xsum, out);
-  // Uneven column ranges: the kernel must handle any [n0, n1).
-  for (int64_t n0 = 0; n0 < p.c.n;) {
-    const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < p.c.n ? n0 + kGemvBlockCols * (1 + n0 % 2) : p.c.n;
-    kern.gemv(a, 0, p.c.m, n0, n1);
-    n0 = n1;
-  }
-  check_gemm(p, bf16, out, what + " gemv");
+  over_gemv_ranges(p.c.n, [&](int64_t n0, int64_t n1) { kern.gemv(a, 0, p.c.m, n0, n1); });
+  check_gemm(p, p.w, bf16, out, what + " gemv");
 }
 
 void run_gemm_tile(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
   std::vector<float> out, xsum;
   const GemmArgs a = gemm_args(p, bf16, xsum, out);
-  const int64_t rows = p.c.m > 20 ? 20 : p.c.m;  // several row blocks when M is large
-  std::vector<float> scratch(gemm_scratch_floats(rows));
-  for (int64_t m0 = 0; m0 < p.c.m; m0 += rows)
-    for (int64_t nb = 0; nb < p.c.n; nb += kGemmBlockCols)
-      kern.gemm_tile(a, m0, m0 + rows < p.c.m ? m0 + rows : p.c.m, nb, scratch.data());
-  check_gemm(p, bf16, out, what + " gemm_tile");
+  over_gemm_tiles(p.c.m, p.c.n, [&](int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+    kern.gemm_tile(a, m0, m1, nb, scratch);
+  });
+  check_gemm(p, p.w, bf16, out, what + " gemm_tile");
 }
 
 // fp4 / int4: exact (code value x fp16 scale fits fp32); uint4: q - zero rounded to fp32 once.
@@ -253,30 +266,18 @@ struct SparseProblem {
   }
 };
 
-void check_sparse_gemm(const SparseProblem& sp, bool bf16, const std::vector<float>& out, const std::string& what) {
-  Problem view = sp.d;  // the same x with the 2:4 weight
-  view.w = sp.w;
-  check_gemm(view, bf16, out, what);
-}
-
 void run_sparse(const CpuKernels& kern, const SparseProblem& sp, bool bf16, const std::string& what) {
   const Case& c = sp.d.c;
   std::vector<float> out;
   Sparse24Args a = sp.args(bf16, out);
   uint32_t bad = 0;
-  for (int64_t n0 = 0; n0 < c.n;) {
-    const int64_t n1 = n0 + kGemvBlockCols * (1 + n0 % 2) < c.n ? n0 + kGemvBlockCols * (1 + n0 % 2) : c.n;
-    bad |= kern.sparse24_gemv(a, 0, c.m, n0, n1);
-    n0 = n1;
-  }
-  check_sparse_gemm(sp, bf16, out, what + " sparse24_gemv");
+  over_gemv_ranges(c.n, [&](int64_t n0, int64_t n1) { bad |= kern.sparse24_gemv(a, 0, c.m, n0, n1); });
+  check_gemm(sp.d, sp.w, bf16, out, what + " sparse24_gemv");
   a = sp.args(bf16, out);
-  const int64_t rows = c.m > 20 ? 20 : c.m;
-  std::vector<float> scratch(gemm_scratch_floats(rows));
-  for (int64_t m0 = 0; m0 < c.m; m0 += rows)
-    for (int64_t nb = 0; nb < c.n; nb += kGemmBlockCols)
-      bad |= kern.sparse24_gemm_tile(a, m0, m0 + rows < c.m ? m0 + rows : c.m, nb, scratch.data());
-  check_sparse_gemm(sp, bf16, out, what + " sparse24_gemm_tile");
+  over_gemm_tiles(c.m, c.n, [&](int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+    bad |= kern.sparse24_gemm_tile(a, m0, m1, nb, scratch);
+  });
+  check_gemm(sp.d, sp.w, bf16, out, what + " sparse24_gemm_tile");
   if (bad) fail(what + ": valid metadata reported invalid");
 }
 
