@@ -18,7 +18,7 @@ test: $(STAMP)
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip setuptools wheel
+	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
 	$(PY) -m pip install -q "$(TORCH)"
 	# The extension must build against the torch just installed: no build isolation.
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,hf]"

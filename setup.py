@@ -87,5 +87,5 @@ setup(
         "torch_marlin.testing": ["calibration_en.txt"],
     },
     ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=False), "build_py": BuildPyWithMetal},
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True), "build_py": BuildPyWithMetal},
 )
