@@ -112,6 +112,10 @@ def test_quantize_model_quantizes_experts_by_default_and_patterns_apply():
     assert report.experts_skipped == ["model.layers.1.mlp.experts"]
     report = tm.quantize_model(tiny_qwen3_moe(), "fp4", 32, include="*.self_attn.*", method="absmax")
     assert report.experts_replaced == [] and len(report.experts_skipped) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pattern matching only experts modules matches something
+        report = tm.quantize_model(tiny_qwen3_moe(), "fp4", 32, exclude="experts", method="absmax")
+    assert report.experts_replaced == [] and len(report.experts_skipped) == 2
 
 
 def test_torch_compile_fullgraph_on_a_tiny_moe_model():

@@ -1,5 +1,7 @@
 """MarlinLinear, quantized_linear, quantize_model: behaviour as an nn.Linear drop-in."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -155,6 +157,40 @@ def test_quantize_model_include_exclude_and_report():
     assert set(report.relative_errors) == {"up", "down"}
     only = SmallModel()
     assert tm.quantize_model(only, include="do*").replaced == ["down"]
+
+
+def test_patterns_that_match_nothing_are_warned_about():
+    with pytest.warns(UserWarning) as caught:
+        report = tm.quantize_model(SmallModel(), "fp4", 64, include=["up", "mlp.*"], exclude=["haed"])
+    assert report.replaced == ["up"]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert "include pattern 'mlp.*' matches no linear layer" in messages[0]
+    assert "exclude pattern 'haed' matches no linear layer" in messages[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tm.quantize_model(SmallModel(), "fp4", 64, include=["*"], exclude=["head", "do*"])  # all match
+
+
+@pytest.mark.parametrize("model", [nn.Sequential(nn.Linear(64, 64)), nn.Sequential(nn.ReLU())],
+                         ids=["sequential", "no-linear-layers"])
+@pytest.mark.parametrize("argument, message", [
+    ({"group_size": 100}, r"group_size must be one of \(16, 32, 64, 128, 256, -1\), got 100"),
+    ({"weight_format": "nf4"}, r"weight_format must be one of \('fp4', 'uint4', 'int4'\), got 'nf4'"),
+    ({"method": "bogus"}, r"method must be one of \('mse', 'absmax', 'gptq'\), or with sparsity='2:4' one of "
+                          r"\('magnitude', 'wanda', 'sparsegpt', 'mse', 'absmax'\); got 'bogus'"),
+])
+def test_quantize_model_checks_arguments_before_any_layer(model, argument, message):
+    """Not "0: group_size ...": the error is about the argument, not the first layer (named "0"
+    in an nn.Sequential), and it comes even when there is no layer to quantize."""
+    with pytest.raises(ValueError, match="^" + message):
+        tm.quantize_model(model, **argument)
+
+
+def test_from_linear_lists_every_method():
+    with pytest.raises(ValueError, match=r"one of \('mse', 'absmax', 'gptq'\), or with sparsity='2:4' one of "
+                                         r"\('magnitude', 'wanda', 'sparsegpt', 'mse', 'absmax'\); got 'bogus'"):
+        tm.MarlinLinear.from_linear(nn.Linear(64, 8), method="bogus")
 
 
 def test_torch_compile_fullgraph():

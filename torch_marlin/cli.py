@@ -1,6 +1,7 @@
 """`torch-marlin` command line.
 
-    torch-marlin convert SRC DST --format fp4|uint4|int4 --group-size N
+    torch-marlin --version
+    torch-marlin convert SRC DST [--format fp4|uint4|int4] [--group-size N]
                  [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
                  [--sparsity 2:4] [--method gptq|sparsegpt|wanda --calibration FILE
                  [--calibration-samples N] [--calibration-length L]]
@@ -16,6 +17,9 @@ import sys
 import warnings
 from typing import List, Optional
 
+import torch
+
+from . import __version__
 from .formats import GROUP_SIZES, WEIGHT_FORMATS
 from .quantize import quantizer_names
 
@@ -27,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     from .hf.importers import supported_sources
 
     parser = argparse.ArgumentParser(prog="torch-marlin", description="torch_marlin tools")
+    parser.add_argument("--version", action="version", version=f"torch-marlin {__version__} (torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
     conv = sub.add_parser("convert", help="convert a Hugging Face model directory to torch_marlin",
                           description="Quantize a float model, or repack a quantized one ("

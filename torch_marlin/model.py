@@ -4,11 +4,13 @@ transformers experts modules for MarlinExperts, in place."""
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
+from . import formats
 from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
 from .sparsity import CALIBRATED_PRUNING, split_method
@@ -73,6 +75,12 @@ def matches_any(name: str, patterns: Iterable[str]) -> bool:
     return False
 
 
+def unmatched_patterns(patterns: Iterable[str], names: Iterable[str]) -> List[str]:
+    """The patterns that match none of `names` (a typo, or a layer the model does not have)."""
+    names = list(names)
+    return [p for p in patterns if not any(matches_any(name, (p,)) for name in names)]
+
+
 def _patterns(value: Patterns, name: str) -> Optional[List[str]]:
     if value is None:
         return None
@@ -118,6 +126,9 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     SparseGPT and 2:4 for experts are not implemented."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    # Checked here, not per layer, so the error does not carry the first layer's name.
+    formats.check_weight_format(weight_format)
+    formats.check_group_size(group_size)
     pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
@@ -135,27 +146,37 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
         from .sparsegpt import quantize_model_sparse
 
         quantize_model_sparse(model, layers, report, weight_format, group_size, calibration, pruning, **options)
-        _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
-        return report
-    if method == "gptq":
+        quantizer = "mse"  # for the expert stacks
+    elif method == "gptq":
         from .gptq import quantize_model_gptq
 
         quantize_model_gptq(model, layers, report, weight_format, group_size, calibration, **options)
-        _quantize_experts(model, weight_format, group_size, include_p, exclude_p, "mse", report)
-        return report
-    if calibration is not None or options:
-        raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "
-                         f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
-    for name in targets:
-        linear = model.get_submodule(name)
-        try:
-            quantized = MarlinLinear.from_linear(linear, weight_format, group_size, quantizer, sparsity=sparsity)
-        except ValueError as e:  # name the layer
-            raise ValueError(f"{name}: {e}") from e
-        model.set_submodule(name, quantized)
-        report.record(name, linear, quantized)
+        quantizer = "mse"
+    else:
+        if calibration is not None or options:
+            raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "
+                             f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
+        for name in targets:
+            linear = model.get_submodule(name)
+            try:
+                quantized = MarlinLinear.from_linear(linear, weight_format, group_size, quantizer, sparsity=sparsity)
+            except ValueError as e:  # name the layer
+                raise ValueError(f"{name}: {e}") from e
+            model.set_submodule(name, quantized)
+            report.record(name, linear, quantized)
     _quantize_experts(model, weight_format, group_size, include_p, exclude_p, quantizer, report)
+    _warn_unmatched(report, include_p or [], exclude_p)
     return report
+
+
+def _warn_unmatched(report: QuantizationReport, include_p: List[str], exclude_p: List[str]) -> None:
+    names = (report.replaced + report.skipped + report.experts_replaced + report.experts_skipped
+             + list(report.experts_unsupported))
+    for kind, patterns in (("include", include_p), ("exclude", exclude_p)):
+        for pattern in unmatched_patterns(patterns, names):
+            warnings.warn(f"quantize_model: {kind} pattern {pattern!r} matches no linear layer or experts module "
+                          f"(patterns are globs on qualified module names, e.g. '*.mlp.*'; a plain name also "
+                          f"matches as a suffix, e.g. 'q_proj')", stacklevel=3)
 
 
 def _quantize_experts(model: nn.Module, weight_format: str, group_size: int, include_p: Optional[List[str]],

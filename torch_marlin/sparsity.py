@@ -56,13 +56,25 @@ def split_method(method: str, sparsity: Optional[str]) -> Tuple[Optional[str], s
     if sparsity is None:
         if method in CALIBRATED_PRUNING:
             raise ValueError(f"method={method!r} prunes to 2:4: it needs sparsity='2:4'")
+        if method not in dense_methods():
+            raise ValueError(f"method must be one of {dense_methods()}, or with sparsity='2:4' one of "
+                             f"{sparse_methods()}; got {method!r}")
         return None, method
     if method in quantizer_names():
         return "magnitude", method
     if method not in PRUNING_METHODS:
-        raise ValueError(f"method must be one of {PRUNING_METHODS + quantizer_names()} with sparsity={sparsity!r}, "
-                         f"got {method!r}")
+        raise ValueError(f"method must be one of {sparse_methods()} with sparsity={sparsity!r}, got {method!r}")
     return method, "mse"
+
+
+def dense_methods() -> Tuple[str, ...]:
+    """The `method`s of quantize_model / MarlinLinear.from_linear without sparsity."""
+    return quantizer_names() + ("gptq",)
+
+
+def sparse_methods() -> Tuple[str, ...]:
+    """The `method`s of quantize_model / MarlinLinear.from_linear with sparsity="2:4"."""
+    return PRUNING_METHODS + quantizer_names()
 
 
 def quantize_sparse(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,

@@ -164,6 +164,32 @@ def test_summary_figures(tiny_model_dir, tmp_path, weight_format, group_size, bi
     assert "converted 14 linear layers" in text and "bits per quantized weight" in text
 
 
+@pytest.mark.parametrize("weight_format,stored_bits", [("fp4", 4.125), ("uint4", 4.25)])
+def test_summary_explains_k_padding(tiny_model_dir, tmp_path, weight_format, stored_bits):
+    """At g128 the tiny llama's K (64 and 128) is padded to whole groups: the bits per quantized
+    weight exceed 4 + 16/g (+ 16/g zeros), and the summary says by how much and why."""
+    summary = convert(tiny_model_dir("llama"), str(tmp_path / "q"), weight_format, 128, quantizer="absmax",
+                      progress=False)
+    layers = [(64, 64), (64, 32), (64, 32), (64, 64), (64, 128), (64, 128), (128, 64)]  # (K, N) of one block
+    weights = sum(k * n for k, n in layers)
+    padded = sum(128 * n for _, n in layers)
+    assert summary.quantized_params == 2 * weights and summary.padded_params == 2 * padded
+    assert summary.bits_per_weight == pytest.approx(stored_bits * padded / weights)
+    assert (f"{summary.bits_per_weight:.3f} bits per quantized weight ({stored_bits:.3f} per stored weight: "
+            f"K is zero-padded to whole groups, {100 * (padded / weights - 1):.1f}% more weights)") in str(summary)
+    unpadded = convert(tiny_model_dir("llama"), str(tmp_path / "q64"), weight_format, 64, quantizer="absmax",
+                       progress=False)
+    assert unpadded.padded_params == unpadded.quantized_params and "stored weight" not in str(unpadded)
+
+
+def test_exclude_pattern_that_matches_nothing_is_a_warning(tiny_model_dir, tmp_path):
+    with pytest.warns(UserWarning, match="exclude pattern 'mlp.down' matches no linear layer"):
+        summary = convert(tiny_model_dir("llama"), str(tmp_path / "q"), "fp4", 64, quantizer="absmax",
+                          exclude=["mlp.down", "lm_head", "*.q_proj"], progress=False)
+    assert summary.notes == ["exclude pattern 'mlp.down' matches no linear layer or experts module"]
+    assert "- exclude pattern 'mlp.down' matches no linear layer" in str(summary)
+
+
 def test_other_files_are_copied(tiny_model_dir, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
@@ -195,6 +221,13 @@ def test_cli_convert(tiny_model_dir, tmp_path, capsys):
                      "--quantizer", "absmax", "--no-progress"]) == 0
     assert read_config(dst)["quantization_config"]["weight_format"] == "int4"
     assert leftovers(str(tmp_path), "q") == []
+
+
+def test_cli_version(capsys):
+    assert cli_main(["--version"]) == 0
+    assert capsys.readouterr().out == f"torch-marlin {torch_marlin.__version__} (torch {torch.__version__})\n"
+    pyproject = open(os.path.join(os.path.dirname(torch_marlin.__file__), "..", "pyproject.toml")).read()
+    assert f'\nversion = "{torch_marlin.__version__}"\n' in pyproject
 
 
 def test_cli_usage_errors(capsys):

@@ -15,7 +15,7 @@ import torch_marlin
 from hf_helpers import VOCAB, load_float, marlin_modules, read_config
 from torch_marlin.cli import main as cli_main
 from torch_marlin.hf import from_pretrained
-from torch_marlin.hf.calibrated import calibration_batches, read_calibration_texts
+from torch_marlin.hf.calibrated import calibration_batches, convert_with_calibration, read_calibration_texts
 from torch_marlin.hf.modules import PermutedInputMarlinLinear
 from torch_marlin.testing import calibration, minilm
 
@@ -144,6 +144,13 @@ def test_cli_gptq_bad_input(model_with_tokenizer, tiny_model_dir, tmp_path, caps
         assert cli_main(["convert", *args[:2], "--method", "gptq", *args[2:]]) == 1, message
         assert message in capsys.readouterr().err
         assert not os.path.exists(dst)
+
+
+@pytest.mark.parametrize("sparsity", [None, "2:4"])
+def test_calibrated_conversion_names_its_own_methods(tmp_path, sparsity):
+    """Not quantize_model's list: convert_with_calibration takes only the calibrated methods."""
+    with pytest.raises(ValueError, match=r"^method must be 'gptq', 'sparsegpt' or 'wanda', got 'bogus'$"):
+        convert_with_calibration(str(tmp_path), str(tmp_path / "out"), "cal.txt", method="bogus", sparsity=sparsity)
 
 
 # --- the real all-MiniLM-L6-v2 --------------------------------------------------------------

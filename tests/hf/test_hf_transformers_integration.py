@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,6 +57,9 @@ def test_quantize_on_load_respects_modules_to_not_convert(tiny_model_dir):
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), quantization_config=config)
     names = set(marlin_modules(model))
     assert names and not any(".mlp." in n for n in names)
+    config = MarlinConfig(weight_format="fp4", group_size=64, quantizer="absmax", modules_to_not_convert=["mlp.gate"])
+    with pytest.warns(UserWarning, match="exclude pattern 'mlp.gate' matches no linear layer"):
+        transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"), quantization_config=config)
 
 
 def test_marlin_config_validates():
@@ -62,6 +67,8 @@ def test_marlin_config_validates():
         MarlinConfig(weight_format="nf4")
     with pytest.raises(ValueError, match="group_size"):
         MarlinConfig(group_size=100)
+    with pytest.raises(ValueError, match=r"quantizer must be one of \('mse', 'absmax'\), got 'gptq'"):
+        MarlinConfig(quantizer="gptq")  # quantize-on-load has no calibration data
 
 
 def test_converted_checkpoint_saves_and_reloads(tiny_model_dir, tmp_path):
@@ -98,5 +105,35 @@ def test_import_torch_marlin_enables_auto_classes(tiny_model_dir, tmp_path):
     assert run.stdout.strip() == "MarlinLinear"
 
 
+_WITHOUT_IMPORT = textwrap.dedent("""
+    import sys
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1])
+    assert "torch_marlin" not in sys.modules
+    print(type(model.model.layers[0].self_attn.q_proj).__name__)
+""")
+
+
+def test_without_import_transformers_returns_a_float_model(tiny_model_dir, tmp_path):
+    """The trap README and docs/CONVERT.md (Load) warn about, as they describe it: transformers skips
+    the unknown quant_method with a warning and a load report, and returns randomly initialised
+    nn.Linear layers without raising. Should transformers start raising, update those docs."""
+    converted = str(tmp_path / "converted")
+    convert(tiny_model_dir("llama"), converted, "int4", 32, quantizer="absmax", progress=False)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), TRANSFORMERS_VERBOSITY="warning")
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_IMPORT, converted], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "Linear"
+    log = " ".join(run.stderr.split())
+    assert "Unknown quantization type, got torch_marlin" in log and "we will skip the quantization" in log
+    assert re.search(r"self_attn\.q_proj\.packed \| UNEXPECTED", log)
+    assert re.search(r"self_attn\.q_proj\.weight \| MISSING", log)
+
+
 def test_torch_marlin_exports_from_pretrained():
     assert torch_marlin.from_pretrained is torch_marlin.hf.from_pretrained
+    parameters = inspect.signature(torch_marlin.from_pretrained).parameters
+    assert list(parameters)[:4] == ["path", "device", "dtype", "model_class"]
+    assert parameters["device"].default == "cpu"
+    assert "meta device" in torch_marlin.from_pretrained.__doc__

@@ -6,11 +6,7 @@ import it when called.
 
 from __future__ import annotations
 
-
-def from_pretrained(*args, **kwargs):
-    from .loading import from_pretrained as _from_pretrained
-
-    return _from_pretrained(*args, **kwargs)
+from .loading import from_pretrained
 
 
 def register_transformers_integration() -> bool:

@@ -170,9 +170,9 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact).
     method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md)."""
     start = time.time()
-    split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if method not in ("gptq",) + CALIBRATED_PRUNING:
         raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda', got {method!r}")
+    split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if act_order and method != "gptq":
         raise ValueError(f"act_order is a GPTQ option, got method={method!r}")
     formats.check_weight_format(weight_format)

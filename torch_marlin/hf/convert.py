@@ -47,6 +47,7 @@ class ConversionSummary:
     bytes_before: int = 0  # all source tensors
     bytes_after: int = 0  # all written tensors
     quantized_params: int = 0  # weights (N*K) of converted layers
+    padded_params: int = 0  # the same with K zero-padded to whole groups, as stored
     quantized_bytes: int = 0  # packed + scales (+ zeros) of converted layers
     mean_relative_error: Optional[float] = None  # float sources only
     formats: Dict[str, int] = field(default_factory=dict)  # "fp4/g128" (or "fp4/g128/2:4") -> layer count
@@ -68,19 +69,26 @@ class ConversionSummary:
             f"({', '.join(f'{k}: {v}' for k, v in sorted(self.formats.items()))}); "
             f"{len(self.layers_in_float)} left in float",
             f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
-            f"{self.bits_per_weight:.3f} bits per quantized weight",
+            f"{self.bits_per_weight:.3f} bits per quantized weight" + self._padding(),
         ]
         if self.mean_relative_error is not None:
             lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
         if self.already_sparse:
             lines.append(f"{len(self.already_sparse)} layers were already 2:4 sparse and kept their pattern")
         if self.notes:
-            lines.append(f"{len(self.notes)} warnings (values not exactly representable or dropped):")
+            lines.append(f"{len(self.notes)} warnings:")
             lines += [f"  - {note}" for note in self.notes[:20]]
             if len(self.notes) > 20:
                 lines.append(f"  ... and {len(self.notes) - 20} more")
         lines.append(f"wrote {self.output} in {self.seconds:.1f} s")
         return "\n".join(lines)
+
+    def _padding(self) -> str:
+        """Why bits per weight exceed the format's 4 + 16/g (docs/FORMAT.md): K padded to whole groups."""
+        if self.padded_params <= self.quantized_params:
+            return ""
+        return (f" ({8 * self.quantized_bytes / self.padded_params:.3f} per stored weight: K is zero-padded "
+                f"to whole groups, {100 * (self.padded_params / self.quantized_params - 1):.1f}% more weights)")
 
 
 def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 128,
@@ -234,6 +242,7 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
         else:
             summary.layers_converted += 1
         summary.quantized_params += q.num_weights
+        summary.padded_params += q.num_weights // q.in_features * q.padded_in_features
         summary.quantized_bytes += q.nbytes
         tag = f"{q.weight_format}/g{q.group_size}" + (f"/{q.SPARSITY}" if q.SPARSITY else "")
         summary.formats[tag] = summary.formats.get(tag, 0) + 1

@@ -9,6 +9,10 @@ installed):
   loads the float weights and quantizes the linear layers (peak memory is the
   float model; use `torch-marlin convert` for streaming);
 - `model.save_pretrained(dir)` writes a directory that loads again.
+
+Without `import torch_marlin`, transformers skips the unknown quant_method with
+a warning and returns the float model with the quantized layers randomly
+initialised; a checkpoint cannot prevent that (docs/CONVERT.md, Load).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 from typing import List, Optional
 
 from .. import formats
+from ..quantize import quantizer_names
 from .config import FORMAT_VERSION, QUANT_METHOD, validate_quantization_config
 
 _CLASSES = {}  # "config" / "quantizer": defined on first registration (they subclass transformers')
@@ -104,6 +109,8 @@ def _define_classes():
                      format_version: int = FORMAT_VERSION, source: Optional[dict] = None, **kwargs):
             formats.check_weight_format(weight_format)
             formats.check_group_size(group_size)
+            if quantizer not in quantizer_names():  # quantize-on-load has no calibration data
+                raise ValueError(f"quantizer must be one of {quantizer_names()}, got {quantizer!r}")
             if modules_to_not_convert is not None and not all(isinstance(m, str) for m in modules_to_not_convert):
                 raise TypeError(f"modules_to_not_convert must be a list of names, got {modules_to_not_convert!r}")
             self.quant_method = QUANT_METHOD

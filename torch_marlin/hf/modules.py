@@ -167,6 +167,9 @@ def check_loaded(model: nn.Module) -> None:
 
 
 def default_skips(model: nn.Module, extra: Optional[Iterable[str]] = None) -> List[str]:
-    """Layers that stay float when quantizing on load: output embeddings and tied weights."""
+    """Linear layers that stay float when quantizing on load: output embeddings and tied weights
+    (not the embeddings they are tied to: a name that is no linear layer is a pattern that
+    matches nothing to quantize_model), and `extra` (the user's patterns)."""
     layout = layout_of_model(model)
-    return sorted(set(layout.output_embeddings) | set(layout.tied) | set(extra or []))
+    tied_linears = set(layout.tied) & set(layout.linears)
+    return sorted(set(layout.output_embeddings) | tied_linears | set(extra or []))

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Set
 
 from ...experts import linear_stack, quantize_experts
 from ...layouts import QuantizedWeight, layout_for_sparsity
 from ...linear import linear_weight
-from ...model import matches_any
+from ...model import matches_any, unmatched_patterns
 from ...sparsity import is_2to4
 from ..layout import ModelLayout, expert_parts, float_linear_modules
 from ..errors import CheckpointError
@@ -26,6 +26,7 @@ class FloatSource(Importer):
     sparsity: Optional[str] = None  # "2:4": magnitude pruning (a weight already 2:4 keeps its pattern)
     skipped: List[str] = field(default_factory=list)  # linear layers / stacks left in float, with reason
     already_sparse: List[str] = field(default_factory=list)  # with sparsity: weights that were already 2:4
+    _exclude_tested: Set[str] = field(default_factory=set, init=False, repr=False)  # names matched against exclude
 
     def plan(self) -> Dict[str, LayerPlan]:
         plans = {}
@@ -35,11 +36,12 @@ class FloatSource(Importer):
             expected = ((spec.out_features, spec.in_features) if spec.kind == "linear"
                         else (spec.in_features, spec.out_features))
             self._require_float(key, expected)
+            excluded = self._excluded(module, model_name)
             if model_name in self.layout.tied or module in self.layout.tied:
                 self.skipped.append(module)  # shared with an embedding: must stay float
             elif model_name in self.layout.output_embeddings and not self.quantize_lm_head:
                 self.skipped.append(module)
-            elif matches_any(module, self.exclude) or matches_any(model_name, self.exclude):
+            elif excluded:
                 self.skipped.append(module)
             else:
                 plans[module] = self._plan(module, key, f"{module}.bias")
@@ -66,7 +68,13 @@ class FloatSource(Importer):
                                       f"but {part.stack} takes in_features={spec.in_features}")
             if not self._skip_experts(module, part.stack):
                 plans[module] = self._plan(module, f"{module}.weight", f"{module}.bias")
+        for pattern in unmatched_patterns(self.exclude, self._exclude_tested):
+            self.note(f"exclude pattern {pattern!r} matches no linear layer or experts module")
         return plans
+
+    def _excluded(self, *names: str) -> bool:
+        self._exclude_tested.update(names)
+        return any(matches_any(name, self.exclude) for name in names)
 
     def _plan(self, module: str, key: str, bias: str) -> LayerPlan:
         return LayerPlan([key], bias if bias in self.source else None)
@@ -77,8 +85,7 @@ class FloatSource(Importer):
                                   f"{self.source.dtype(key)} {list(self.source.shape(key))}")
 
     def _skip_experts(self, module: str, stack: str) -> bool:
-        experts = self.layout.stacks[stack].experts_module
-        if matches_any(experts, self.exclude) or matches_any(module, self.exclude):
+        if self._excluded(self.layout.stacks[stack].experts_module, module):
             if stack not in self.skipped:
                 self.skipped.append(stack)
             return True
