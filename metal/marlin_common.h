@@ -49,8 +49,9 @@ MARLIN_CONSTEXPR int kNumGroupSizes = 6;
 MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};
 
 // Activation / output dtypes of the Metal kernels: X(name, Metal type,
-// at::ScalarType enumerator, ...). bfloat needs Metal 3.1.
-#if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
+// at::ScalarType enumerator, ...). bfloat only where the Metal compiler has it
+// (it defines __HAVE_BFLOAT__: MSL 3.1 and newer).
+#if defined(__METAL_VERSION__) && !defined(__HAVE_BFLOAT__)
 #define MARLIN_FOR_EACH_DTYPE(X, ...) \
   X(f16, half, Half, __VA_ARGS__)     \
   X(f32, float, Float, __VA_ARGS__)

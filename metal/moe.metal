@@ -218,7 +218,7 @@ template <typename T, WeightFormat F>
 // Weight of pair p in the weights' own dtype (0: half, 1: bfloat, 2: float).
 inline float marlin_moe_weight(const device uchar* weights, uint p, uint weight_dtype) {
   if (weight_dtype == 0) return float(reinterpret_cast<const device half*>(weights)[p]);
-#if __METAL_VERSION__ >= 310
+#if defined(__HAVE_BFLOAT__)
   if (weight_dtype == 1) return float(reinterpret_cast<const device bfloat*>(weights)[p]);
 #endif
   return reinterpret_cast<const device float*>(weights)[p];

@@ -7,11 +7,16 @@
 # attributes) and a torch's own headers. A selector, type or function the
 # bridge uses that the stubs (Apple's signatures) or torch's headers do not
 # declare fails the check, and so does an API newer than the floor used
-# outside an @available branch.
+# outside an @available branch. The stubs model two SDK generations
+# (csrc/mps/stubs/MacOSX<N>.sdk: the macOS 14 SDK of Xcode 15, the macOS 15
+# SDK of Xcode 16) and each .mm is checked against every one, so an API that
+# only the newer SDK declares fails unless a compile-time SDK guard hides it
+# (@available is a run-time check).
 #
 #   scripts/check_mm_syntax.sh                       # every source, installed torch's headers
 #   scripts/check_mm_syntax.sh --torch-include DIR   # another torch's include/ (e.g. a macOS
 #                                                    # wheel's: scripts/macos_torch_headers.py)
+#   scripts/check_mm_syntax.sh --sdk 14 ...          # one SDK generation only
 #   scripts/check_mm_syntax.sh FILE.mm|FILE.cpp ...  # these files only (e.g. the mutation tests)
 #   CLANG=clang++-17 scripts/check_mm_syntax.sh
 #
@@ -29,10 +34,12 @@ if [[ -z "$CLANG" ]]; then
 fi
 
 TORCH_INCLUDE=""
+SDKS=()
 files=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --torch-include) TORCH_INCLUDE="$2"; shift 2 ;;
+    --sdk) SDKS=("$2"); shift 2 ;;
     *) files+=("$1"); shift ;;
   esac
 done
@@ -55,6 +62,17 @@ if [[ -z "$CXXVER" || ! -f "$CROSS/stdlib.h" ]]; then
   exit 2
 fi
 
+STUBS="$ROOT/csrc/mps/stubs"
+if [[ ${#SDKS[@]} -eq 0 ]]; then  # every generation, oldest first
+  mapfile -t SDKS < <(cd "$STUBS" && ls -d MacOSX*.sdk | sed 's/^MacOSX//; s/\.sdk$//' | sort -n)
+fi
+for sdk in "${SDKS[@]}"; do
+  if [[ ! -f "$STUBS/MacOSX$sdk.sdk/Availability.h" ]]; then
+    echo "check_mm_syntax: no stub SDK $STUBS/MacOSX$sdk.sdk" >&2
+    exit 2
+  fi
+done
+
 FLOOR="$("$PYTHON" "$ROOT/csrc/mps/embed_metal.py" --macos-floor)"
 GEN="$(mktemp -d)"
 trap 'rm -rf "$GEN"' EXIT
@@ -69,7 +87,7 @@ SYSTEM=(-nostdinc++ -nostdlibinc
         -isystem "$("$CLANG" -print-resource-dir)/include"
         -U__nonnull -U__nullable -D_GNU_SOURCE)
 PY_INC="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
-INCLUDES=(-I "$ROOT/csrc/mps/stubs" -I "$ROOT/csrc" -I "$ROOT/metal" -I "$GEN")
+INCLUDES=(-I "$STUBS" -I "$ROOT/csrc" -I "$ROOT/metal" -I "$GEN")
 for d in "${TORCH_INC[@]}" "$PY_INC"; do INCLUDES+=(-isystem "$d"); done
 # Selector / type / conversion / availability problems are errors.
 FLAGS=(-target "arm64-apple-macos$FLOOR" -std=c++20 -fsyntax-only
@@ -95,12 +113,16 @@ fi
 status=0
 echo "check_mm_syntax: macOS $FLOOR, torch headers ${TORCH_INC[0]}"
 for f in "${mm[@]}"; do
-  echo "check_mm_syntax: ${f#"$ROOT"/}"
-  "$CLANG" "${FLAGS[@]}" -x objective-c++ -fblocks -fobjc-arc "${SYSTEM[@]}" "${INCLUDES[@]}" "$f" || status=1
+  for sdk in "${SDKS[@]}"; do
+    echo "check_mm_syntax: ${f#"$ROOT"/} (macOS $sdk SDK)"
+    "$CLANG" "${FLAGS[@]}" -x objective-c++ -fblocks -fobjc-arc "${SYSTEM[@]}" \
+      -I "$STUBS/MacOSX$sdk.sdk" "${INCLUDES[@]}" "$f" || status=1
+  done
 done
 if [[ ${#cpp[@]} -gt 0 ]]; then
+  # No Apple framework headers in these: one SDK generation is enough.
   echo "check_mm_syntax: ${#cpp[@]} C++ files"
   printf '%s\0' "${cpp[@]}" | xargs -0 -n 1 -P "$(nproc)" \
-    "$CLANG" "${FLAGS[@]}" -x c++ "${SYSTEM[@]}" "${INCLUDES[@]}" || status=1
+    "$CLANG" "${FLAGS[@]}" -x c++ "${SYSTEM[@]}" -I "$STUBS/MacOSX${SDKS[0]}.sdk" "${INCLUDES[@]}" || status=1
 fi
 exit $status

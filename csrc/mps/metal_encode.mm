@@ -64,14 +64,20 @@ void check_metal_support(id<MTLDevice> device) {
 // Safe math, as the kernels and the tests assume: Metal compiles with fast
 // math unless told otherwise, which may reassociate `(raw - 1024) - zero`
 // (uint4) and flush the half subnormal that the fp4 decode makes of +-0.5.
+// mathMode (macOS 15) replaces fastMathEnabled, which is deprecated from 15.
+// mathMode exists only in the macOS 15 SDK and newer: @available is a run-time
+// check, so building with an older SDK (Xcode 15, the macOS 14 Command Line
+// Tools; fine for the macOS 14 floor) needs this compile-time guard too.
 MTLCompileOptions* compile_options() {
   MTLCompileOptions* options = [MTLCompileOptions new];
   options.languageVersion = MTLLanguageVersion3_1;  // bfloat
+#if defined(__MAC_15_0) && __MAC_OS_X_VERSION_MAX_ALLOWED >= __MAC_15_0
   if (@available(macOS 15.0, *)) {
     options.mathMode = MTLMathModeSafe;
-  } else {
-    options.fastMathEnabled = NO;
+    return options;
   }
+#endif
+  options.fastMathEnabled = NO;
   return options;
 }
 
@@ -90,23 +96,38 @@ class PipelineCache {
     if (it != pipelines_.end()) return it->second;
 
     id<MTLLibrary> library = library_for(device, launch.source);
-    MTLFunctionConstantValues* constants = [MTLFunctionConstantValues new];
-    for (const metal::Constant& c : launch.constants) {
-      const bool flag = c.value != 0;
-      const uint32_t value = c.value;
-      if (c.is_bool)
-        [constants setConstantValue:&flag type:MTLDataTypeBool atIndex:(NSUInteger)c.index];
-      else
-        [constants setConstantValue:&value type:MTLDataTypeUInt atIndex:(NSUInteger)c.index];
+    id<MTLComputePipelineState> state = nil;
+    std::string problem;
+    // The caller (a Python thread) has no autorelease pool: drain what the
+    // compile autoreleases (errors, strings) here, and throw after the pool.
+    @autoreleasepool {
+      MTLFunctionConstantValues* constants = [MTLFunctionConstantValues new];
+      for (const metal::Constant& c : launch.constants) {
+        const bool flag = c.value != 0;
+        const uint32_t value = c.value;
+        if (c.is_bool)
+          [constants setConstantValue:&flag type:MTLDataTypeBool atIndex:(NSUInteger)c.index];
+        else
+          [constants setConstantValue:&value type:MTLDataTypeUInt atIndex:(NSUInteger)c.index];
+      }
+      NSError* error = nil;
+      id<MTLFunction> function = [library newFunctionWithName:[NSString stringWithUTF8String:launch.kernel.c_str()]
+                                               constantValues:constants
+                                                        error:&error];
+      if (!function) {
+        problem = "torch_marlin: Metal function " + launch.kernel + " not found: " + describe(error);
+      } else {
+        MTLComputePipelineDescriptor* descriptor = [MTLComputePipelineDescriptor new];
+        descriptor.label = [NSString stringWithUTF8String:key.c_str()];  // kernel|constants, for the profiler
+        descriptor.computeFunction = function;
+        state = [device newComputePipelineStateWithDescriptor:descriptor
+                                                      options:MTLPipelineOptionNone
+                                                   reflection:nil
+                                                        error:&error];
+        if (!state) problem = "torch_marlin: cannot build the pipeline of " + launch.kernel + ": " + describe(error);
+      }
     }
-    NSError* error = nil;
-    id<MTLFunction> function =
-        [library newFunctionWithName:[NSString stringWithUTF8String:launch.kernel.c_str()]
-                      constantValues:constants
-                               error:&error];
-    TORCH_CHECK(function, "torch_marlin: Metal function ", launch.kernel, " not found: ", describe(error));
-    id<MTLComputePipelineState> state = [device newComputePipelineStateWithFunction:function error:&error];
-    TORCH_CHECK(state, "torch_marlin: cannot build the pipeline of ", launch.kernel, ": ", describe(error));
+    TORCH_CHECK(problem.empty(), problem);
     metal::check_simd_width(launch.kernel, int64_t([state threadExecutionWidth]));
     pipelines_.emplace(key, state);
     return state;
@@ -119,13 +140,17 @@ class PipelineCache {
   id<MTLLibrary> library_for(id<MTLDevice> device, const std::string& source) {
     if (kMarlinMetallibSize > 0 && !metallib_failed_) {
       if (!metallib_) {
-        dispatch_data_t data = dispatch_data_create(kMarlinMetallib, kMarlinMetallibSize, nullptr,
-                                                    DISPATCH_DATA_DESTRUCTOR_DEFAULT);
-        NSError* error = nil;
-        metallib_ = [device newLibraryWithData:data error:&error];
+        std::string problem;
+        @autoreleasepool {  // see pipeline()
+          dispatch_data_t data = dispatch_data_create(kMarlinMetallib, kMarlinMetallibSize, nullptr,
+                                                      DISPATCH_DATA_DESTRUCTOR_DEFAULT);
+          NSError* error = nil;
+          metallib_ = [device newLibraryWithData:data error:&error];
+          if (!metallib_) problem = describe(error);
+        }
         if (!metallib_) {
           metallib_failed_ = true;
-          TORCH_WARN("torch_marlin: the embedded metallib does not load here (", describe(error),
+          TORCH_WARN("torch_marlin: the embedded metallib does not load here (", problem,
                      "); compiling the Metal sources instead");
         }
       }
@@ -137,11 +162,16 @@ class PipelineCache {
     for (const auto& s : kMarlinMetalSources)
       if (source == s.name) text = s.text;
     TORCH_CHECK(text, "torch_marlin: no embedded Metal source '", source, "'");
-    NSError* error = nil;
-    id<MTLLibrary> library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
-                                                  options:compile_options()
-                                                    error:&error];
-    TORCH_CHECK(library, "torch_marlin: compiling metal/", source, ".metal failed: ", describe(error));
+    id<MTLLibrary> library = nil;
+    std::string problem;
+    @autoreleasepool {  // see pipeline()
+      NSError* error = nil;
+      library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
+                                     options:compile_options()
+                                       error:&error];
+      if (!library) problem = describe(error);
+    }
+    TORCH_CHECK(library, "torch_marlin: compiling metal/", source, ".metal failed: ", problem);
     libraries_.emplace(source, library);
     return library;
   }
@@ -177,6 +207,9 @@ void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers) {
       id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
       for (size_t i = 0; i < p->launches.size(); ++i) {
         const metal::Launch& l = p->launches[i];
+        // Each dispatch in a debug group named after its kernel (Xcode's Metal
+        // debugger and profiler); torch's encoder is shared, so not its label.
+        [encoder pushDebugGroup:[NSString stringWithUTF8String:l.kernel.c_str()]];
         [encoder setComputePipelineState:(*s)[i]];
         for (size_t j = 0; j < l.bindings.size(); ++j) {
           const metal::Binding& b = l.bindings[j];
@@ -195,6 +228,7 @@ void encode_plan(const metal::Plan& plan, const LaunchBuffers& buffers) {
         const std::array<int64_t, 3>& threads = (*tg)[i];
         [encoder dispatchThreadgroups:MTLSizeMake(l.grid[0], l.grid[1], l.grid[2])
                 threadsPerThreadgroup:MTLSizeMake(threads[0], threads[1], threads[2])];
+        [encoder popDebugGroup];
       }
     }
   });

@@ -2,7 +2,15 @@
 (csrc/core/metal_plan.cpp) so it is tested here: which Macs are supported,
 how a launch is sized when a pipeline allows fewer threads than planned, the
 32-lane simdgroup check; and the GEMV run with fewer simdgroups on the
-emulator through the same rule."""
+emulator through the same rule. Then rules on the bridge's source
+(csrc/mps/metal_encode.mm) that hold without clang: an API newer than the
+macOS floor is behind a compile-time SDK guard as well as @available, the
+compiles drain an autorelease pool, every dispatch is labelled; and bfloat
+kernels exactly where the Metal compiler has bfloat."""
+
+import importlib.util
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +23,12 @@ from metal_helpers import GEMM_TOL, make_weight, rel_err
 
 fit = torch.ops.marlin._metal_fit_threadgroup
 problem = torch.ops.marlin._metal_support_problem
+
+ROOT = Path(__file__).resolve().parents[2]
+BRIDGE = ROOT / "csrc" / "mps" / "metal_encode.mm"
+_spec = importlib.util.spec_from_file_location("embed_metal", ROOT / "csrc" / "mps" / "embed_metal.py")
+embed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(embed)
 
 
 def test_supported_macs():
@@ -91,11 +105,123 @@ def test_gemv_with_fewer_simdgroups_matches_cpu(m, max_threads, fmt):
     assert rel_err(got, want) <= GEMM_TOL[torch.float16]
 
 
+def _dequant_kernels(source='#include "dequant.metal"\n', **defines):
+    return set(mslsim.compile(source, include_dirs=(str(metal_dir()),), defines=defines).kernels())
+
+
 def test_bfloat_kernels_only_from_metal_3_1():
     # Metal < 3.1 has no bfloat: the instantiations are guarded, so such a
     # compiler builds the other kernels instead of failing (the bridge itself
     # always compiles for 3.1, on the macOS floor it checks first).
-    names = mslsim.compile(str(metal_dir() / "dequant.metal"), include_dirs=(str(metal_dir()),),
-                           defines={"__METAL_VERSION__": 300}).kernels()
+    names = _dequant_kernels(__METAL_VERSION__=300)
     assert names and not any("bf16" in n for n in names)
-    assert {f"marlin_dequant_{f}_{d}" for f in ("fp4", "int4", "uint4") for d in ("f16", "f32")} <= set(names)
+    assert {f"marlin_dequant_{f}_{d}" for f in ("fp4", "int4", "uint4") for d in ("f16", "f32")} <= names
+
+
+def test_bfloat_kernels_follow_have_bfloat():
+    # The compiler says whether it has bfloat (__HAVE_BFLOAT__); the kernels
+    # follow it, not a Metal version of their own.
+    assert {"marlin_dequant_fp4_bf16", "marlin_dequant_uint4_bf16"} <= _dequant_kernels()
+    without = _dequant_kernels('#undef __HAVE_BFLOAT__\n#include "dequant.metal"\n')
+    assert without and not any("bf16" in n for n in without)
+    assert "marlin_dequant_fp4_f16" in without
+
+
+# --- rules on the bridge's source ----------------------------------------------
+
+_VERSION = re.compile(r"(\d+)(?:[._](\d+))?")
+
+
+def _version(text):
+    major, minor = _VERSION.fullmatch(text).groups()
+    return int(major), int(minor or 0)
+
+
+def sdk_guard_problems(source, floor=embed.MACOS_FLOOR):
+    """Lines of `source` with an @available check above the macOS floor outside
+    a compile-time SDK guard for that version. An API introduced in macOS N is
+    declared only by the SDKs of N and newer, and @available is a run-time
+    check: an SDK between the floor and N (Xcode 15 for N = 15) fails to
+    compile it. The guard must test `defined(__MAC_N_0)` too: an SDK that does
+    not know N leaves __MAC_N_0 undefined, which #if reads as 0 (always true)."""
+    guard = re.compile(r"defined\(__MAC_(\d+_\d+)\)\s*&&\s*__MAC_OS_X_VERSION_MAX_ALLOWED\s*>=\s*__MAC_(\d+_\d+)")
+    problems, open_ifs = [], []
+    for number, line in enumerate(source.splitlines(), 1):
+        directive = re.match(r"\s*#\s*(if|ifdef|ifndef|elif|else|endif)\b(.*)", line)
+        if directive:
+            kind, condition = directive.groups()
+            if kind.startswith("if"):
+                open_ifs.append(condition)
+            elif kind == "endif":
+                open_ifs.pop()
+            else:  # another branch: guarded by its own condition (#elif) or none (#else)
+                open_ifs[-1] = condition if kind == "elif" else ""
+            continue
+        for needed in map(_version, re.findall(r"@available\(macOS (\d+(?:\.\d+)?)", line)):
+            if needed <= _version(floor):
+                continue
+            guards = [m for c in open_ifs for m in guard.finditer(c) if m.group(1) == m.group(2)]
+            if not any(_version(m.group(1)) >= needed for m in guards):
+                problems.append((number, line.strip()))
+    return problems
+
+
+def test_apis_newer_than_the_floor_are_behind_an_sdk_guard():
+    src = BRIDGE.read_text()
+    assert "@available(macOS 15.0, *)" in src  # the rule has something to check
+    assert sdk_guard_problems(src) == []
+    # the rule sees an unguarded use, a guard without defined(), a guard for an
+    # older SDK, and the #else branch of a guard
+    unguarded = re.sub(r"#if defined\(__MAC_15_0\).*\n((?:.*\n)*?)#endif\n", r"\1", src)
+    assert unguarded != src and len(sdk_guard_problems(unguarded)) == 1
+    undefined_is_zero = src.replace("#if defined(__MAC_15_0) && ", "#if ")
+    assert len(sdk_guard_problems(undefined_is_zero)) == 1
+    assert len(sdk_guard_problems(src.replace("__MAC_15_0", "__MAC_14_0"))) == 1
+    assert sdk_guard_problems("#if defined(__MAC_15_0) && __MAC_OS_X_VERSION_MAX_ALLOWED >= __MAC_15_0\n#else\n"
+                              "if (@available(macOS 15.0, *)) {}\n#endif\n") == [(3, "if (@available(macOS 15.0, *)) {}")]
+    assert sdk_guard_problems("if (@available(macOS 14.0, *)) {}\n") == []  # the floor itself
+
+
+def _body(src, start):
+    """The brace-balanced block that begins at the first '{' after `start`."""
+    i = src.index("{", src.index(start))
+    depth = 0
+    for j in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        if depth == 0:
+            return src[i:j + 1]
+    raise AssertionError(f"unbalanced braces after {start!r}")
+
+
+def test_compiles_drain_an_autorelease_pool():
+    # The callers (Python threads) have no autorelease pool; a C++ exception
+    # thrown inside @autoreleasepool leaves the pool undrained, so the checks
+    # come after it.
+    src = BRIDGE.read_text()
+    compiling = ("newLibraryWithData:", "newLibraryWithSource:", "newFunctionWithName:",
+                 "newComputePipelineStateWith")
+    pools = [_body(src[m.start():], "@autoreleasepool") for m in re.finditer(r"@autoreleasepool", src)]
+    for call in compiling:
+        assert src.count(call) == 1, call
+        assert any(call in pool for pool in pools), f"{call} outside an @autoreleasepool"
+    for pool in pools:
+        assert "TORCH_CHECK" not in pool, pool
+
+
+def test_pipelines_and_dispatches_are_labelled():
+    # Kernel names in Xcode's Metal debugger and profiler: the pipeline from a
+    # labelled descriptor, each dispatch in a debug group of its kernel (torch's
+    # encoder is shared by other ops, so its own label is left alone).
+    src = BRIDGE.read_text()
+    assert "newComputePipelineStateWithFunction" not in src
+    pipeline = _body(src, "id<MTLComputePipelineState> pipeline(")
+    assert re.search(r"descriptor\.label = \[NSString stringWithUTF8String:key\.c_str\(\)\];", pipeline)
+    assert "descriptor.computeFunction = function;" in pipeline
+    assert "newComputePipelineStateWithDescriptor:descriptor" in pipeline
+    loop = _body(src, "for (size_t i = 0; i < p->launches.size(); ++i)")
+    push = loop.index("[encoder pushDebugGroup:[NSString stringWithUTF8String:l.kernel.c_str()]];")
+    dispatch = loop.index("[encoder dispatchThreadgroups:")
+    pop = loop.index("[encoder popDebugGroup];")
+    assert push < loop.index("[encoder setComputePipelineState:") < dispatch < pop
+    assert loop.count("pushDebugGroup") == loop.count("popDebugGroup") == 1
+    assert "encoder.label" not in src and "setLabel" not in src

@@ -343,6 +343,31 @@ def test_device_reference_parameters(basic):
         basic.launch("device_refs", grid=(1,), threadgroup=(48,), args={0: 0, 1: acc})
 
 
+@pytest.mark.parametrize("metal_version,has_bfloat", [(None, 1), (310, 1), (320, 1), (300, 0), (240, 0)])
+def test_have_bfloat_as_apple_defines_it(metal_version, has_bfloat):
+    # Apple's compiler defines __HAVE_BFLOAT__ from MSL 3.1 (-std=metal3.1) on.
+    src = """
+#include <metal_stdlib>
+using namespace metal;
+kernel void probe(device uint* y [[buffer(0)]], uint i [[thread_position_in_grid]]) {
+#if defined(__HAVE_BFLOAT__)
+  y[0] = __METAL_VERSION__;
+#else
+  y[0] = 1;
+#endif
+}
+"""
+    defines = {} if metal_version is None else {"__METAL_VERSION__": metal_version}
+    y = torch.zeros(1, dtype=torch.int32)
+    mslsim.compile(src, defines=defines).launch("probe", grid=(1,), threadgroup=(1,), args={0: y})
+    assert y.item() == ((metal_version or 310) if has_bfloat else 1)
+
+
+def test_metal_version_must_be_an_int():
+    with pytest.raises(mslsim.MSLSimError, match=r"defines\['__METAL_VERSION__'\] must be an int such as 310"):
+        mslsim.compile("kernel void k() {}", defines={"__METAL_VERSION__": "3.1"})
+
+
 def test_include_dirs_and_defines(tmp_path):
     (tmp_path / "scale.h").write_text("#pragma once\n#define SCALE(x) ((x) * FACTOR)\n")
     src = """

@@ -512,8 +512,13 @@ def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # n
             v = int(v)
         dflags.append(f"-D{k}" if v is None else f"-D{k}={v}")
     incs = [f"-I{d}" for d in list(base_dir) + [os.fspath(d) for d in include_dirs]]
-    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL__=1", "-D__METAL_VERSION__=310",
-                    "-D__METAL_MACOS__=1", "-D__HAVE_BFLOAT__=1", "-DMSLSIM=1", f"-I{_INCLUDE}"] + incs + dflags + ["-"]
+    metal_version = (defines or {}).get("__METAL_VERSION__", 310)
+    if isinstance(metal_version, bool) or not isinstance(metal_version, int):
+        raise MSLSimError(f"defines['__METAL_VERSION__'] must be an int such as 310 (MSL 3.1), got {metal_version!r}")
+    # Apple's compiler defines __HAVE_BFLOAT__ from MSL 3.1 (-std=metal3.1) on, not before.
+    bfloat = ["-D__HAVE_BFLOAT__=1"] if metal_version >= 310 else []
+    pp_cmd = cxx + ["-x", "c++", "-std=c++17", "-E", "-D__METAL__=1", f"-D__METAL_VERSION__={metal_version}",
+                    "-D__METAL_MACOS__=1", *bfloat, "-DMSLSIM=1", f"-I{_INCLUDE}"] + incs + dflags + ["-"]
     r = subprocess.run(pp_cmd, input=text, capture_output=True, text=True)
     if r.returncode != 0:
         raise MSLSimError(f"preprocessing {name} failed:\n{r.stderr[-6000:]}")

@@ -3,6 +3,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <Availability.h>  // the SDK generation's (../MacOSX<N>.sdk)
 #include <dispatch/dispatch.h>
 #include <os/availability.h>
 
