@@ -102,7 +102,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
-    a weight that is already 2:4 (trained sparse) keeps its pattern.
+    a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
+    stacks have no 2:4 layout and are quantized dense (the summary says so).
     """
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)

@@ -10,7 +10,8 @@ Checkpoints that store experts as per-expert linear layers
 mapped to the stacks through transformers' own conversion mapping of the
 model (which parts are concatenated in which order). Without transformers,
 or for an architecture it does not know, a name-based fallback is used and
-said so.
+said so; a checkpoint with expert tensors is refused then (names alone
+cannot tell how its experts form the stacks the model loads).
 """
 
 from __future__ import annotations
