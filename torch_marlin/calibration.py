@@ -388,6 +388,9 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
     kernel on calibration-sized batches. Layers the calibration never reaches are
     replaced by quantize_unreached(name, linear) and listed in the stats, with a warning.
     use_blocks=False forces the generic way (the tests compare the two)."""
+    for name, layer in targets.items():  # else the NaN surfaces as the next layer's non-finite inputs
+        if not torch.isfinite(layer.weight).all():
+            raise ValueError(f"{name}.weight contains NaN or Inf")
     batches = as_batches(calibration)
     stats = CalibrationStats(batches=len(batches))
     runner = _Runner(model, batches, stats)

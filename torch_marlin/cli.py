@@ -145,11 +145,11 @@ def _convert(args) -> int:
 
 def _report(run) -> int:
     """Print what run() returns, or the error; the exit status."""
-    from .hf.errors import CheckpointError
+    from .hf.errors import CheckpointError, MissingDependency
 
     try:
         result = run()
-    except (CheckpointError, FileExistsError, ValueError, TypeError, OSError) as e:
+    except (CheckpointError, MissingDependency, FileExistsError, ValueError, TypeError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return _EXIT_ERROR
     except KeyboardInterrupt:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -121,6 +122,25 @@ def test_nan_in_a_linear_weight(src, tmp_path, capsys):
     tensors["model.layers.1.self_attn.o_proj.weight"][5, 7] = float("nan")
     save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
     _fails(src, tmp_path, r"layers\.1\.self_attn\.o_proj\.weight: weight contains NaN or Inf \(row 5\)", capsys)
+
+
+@pytest.mark.parametrize("arch,key,index,value", [
+    ("llama", "lm_head.weight", (3, 9), "NaN"),  # kept in float (output head)
+    ("llama", "model.embed_tokens.weight", (0, 1), "-inf"),
+    ("llama", "model.layers.0.input_layernorm.weight", (4,), "inf"),
+    ("qwen2", "model.layers.1.self_attn.k_proj.bias", (2,), "NaN"),  # bias of a quantized layer
+])
+def test_non_finite_tensor_kept_in_float(tiny_model_dir, tmp_path, capsys, arch, key, index, value):
+    """Refused like a non-finite weight of a quantized layer (the model would compute NaN),
+    naming the tensor and the position; used to be converted silently."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "src"
+    shutil.copytree(tiny_model_dir(arch), path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors[key][index] = float(value)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    _fails(path, tmp_path, rf"^{re.escape(key)} contains {value} at {re.escape(str(list(index)))}: ", capsys)
 
 
 def test_unsupported_dtype_in_header(src, tmp_path, capsys):

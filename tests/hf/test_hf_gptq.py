@@ -82,6 +82,7 @@ def test_cli_gptq_writes_an_ordinary_checkpoint(model_with_tokenizer, tmp_path, 
     assert qc["quant_method"] == "torch_marlin" and qc["source"]["quantizer"] == "gptq"
     assert qc["source"]["calibration_samples"] == 24 and qc["modules_to_not_convert"] == ["lm_head"]
     assert os.path.exists(os.path.join(dst, "tokenizer.json"))
+    check_index(dst)
     model = from_pretrained(dst)
     layers = marlin_modules(model)
     float_model = load_float(src)
@@ -97,6 +98,19 @@ def test_cli_gptq_writes_an_ordinary_checkpoint(model_with_tokenizer, tmp_path, 
         float_logits = float_model(ids).logits
     assert torch.equal(logits, again)
     assert torch.nn.functional.cosine_similarity(logits.flatten(), float_logits.flatten(), dim=0) > 0.98
+
+
+def check_index(path):
+    """model.safetensors.index.json maps every tensor of the single model.safetensors, as the
+    streaming converter writes it (docs/CONVERT.md, Output)."""
+    from safetensors import safe_open
+
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        tensors = {key: f.get_tensor(key) for key in f.keys()}
+    assert index["weight_map"] == {key: "model.safetensors" for key in tensors}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def test_calibration_file_and_batches(model_with_tokenizer, tmp_path):
@@ -248,3 +262,35 @@ def test_quantize_model_gptq_on_conv1d_equals_the_same_layers_as_nn_linear(tiny_
         for key, value in a.state_dict().items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, b.state_dict()[key]), (name, key)
+
+
+def test_cli_gptq_names_a_non_finite_weight(model_with_tokenizer, tmp_path, capsys):
+    """A NaN weight used to be reported as NaN calibration inputs of a later layer, and a NaN in a
+    tensor kept in float (lm_head) was converted silently: both are errors naming the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    src = model_with_tokenizer("llama")
+    data = write_jsonl(tmp_path / "cal.jsonl", TEXTS)
+    dst = str(tmp_path / "out")
+    weights = os.path.join(src, "model.safetensors")
+    original = load_file(weights)
+    for key, index, value in (("model.layers.0.mlp.down_proj.weight", (5, 7), "NaN"),
+                              ("lm_head.weight", (5, 7), "NaN"), ("model.norm.weight", (5,), "inf")):
+        tensors = {k: v.clone() for k, v in original.items()}
+        tensors[key][index] = float(value)
+        save_file(tensors, weights, metadata={"format": "pt"})
+        assert cli_main(["convert", src, dst, "--method", "gptq", "--calibration", data,
+                         "--calibration-samples", "8", "--calibration-length", "16"]) == 1
+        assert f"error: {key} contains {value} at {list(index)}" in capsys.readouterr().err
+        assert not os.path.exists(dst)
+
+
+def test_quantize_model_gptq_names_a_non_finite_weight():
+    from hf_helpers import build_tiny_model
+
+    model = build_tiny_model("llama")
+    with torch.no_grad():
+        model.get_submodule("model.layers.0.mlp.down_proj").weight[3, 4] = float("nan")
+    batches = [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))]
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.down_proj\.weight contains NaN or Inf$"):
+        torch_marlin.quantize_model(model, "fp4", 32, method="gptq", calibration=batches, exclude=["lm_head"])

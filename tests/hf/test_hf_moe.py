@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import torch_marlin as tm
 from hf_helpers import VOCAB, read_config
+from torch_marlin.cli import main as cli_main
 from torch_marlin.convert import convert
 from torch_marlin.hf import MarlinConfig, from_pretrained
 
@@ -304,3 +308,125 @@ def test_mxfp4_stack_with_another_number_of_experts_is_refused(moe_dir, tmp_path
     _rewrite(src, mx, replace, {"quant_method": "mxfp4"})
     with pytest.raises(CheckpointError, match=r"experts\.(gate_up|down)_proj: tensors give 4 experts .* the config describes 5"):
         convert(mx, str(tmp_path / "q"), progress=False)
+
+
+# --- --sparsity, calibrated conversion, --exclude and a missing transformers ---------------
+
+def assert_stacks_round_to_nearest(model, float_dir, group_size, quantizer):
+    """Every expert stack of `model` is dense and holds exactly the round-to-nearest codes
+    of the float model's stack (quantize_experts)."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32)
+    experts = experts_of(model)
+    assert experts
+    for name, module in experts.items():
+        for param, stack in module.stacks().items():
+            want = tm.quantize_experts(getattr(reference.get_submodule(name), param).detach(), "fp4", group_size,
+                                       quantizer)
+            got = stack.quantized_weight()
+            assert type(got) is type(want) and torch.equal(got.dequantize(), want.dequantize()), f"{name}.{param}"
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_sparsity_stores_expert_stacks_dense(arch, moe_dir, tmp_path, capsys):
+    """--sparsity 2:4 used to crash in _stack_parts; expert stacks have no 2:4 layout, so
+    they are quantized dense (as quantize_model does) and the summary says so."""
+    src, dst = moe_dir(arch), str(tmp_path / "q")
+    assert cli_main(["convert", src, dst, "--sparsity", "2:4", "--group-size", "32", "--quantizer", "absmax",
+                     "--no-progress"]) == 0
+    assert "4 expert stacks stored dense: the expert-stack layout has no 2:4 form" in capsys.readouterr().out
+    table = read_config(dst)["quantization_config"]["modules"]
+    stacks = {name for name, entry in table.items() if entry.get("layout") == "experts"}
+    assert len(stacks) == 4 and not any("sparsity" in table[name] for name in stacks)
+    assert all(entry["sparsity"] == "2:4" for name, entry in table.items() if name not in stacks)
+    model = from_pretrained(dst)
+    assert_stacks_round_to_nearest(model, src, 32, "absmax")
+    check_against_reference(model, reference_with_dequantized_weights(src, model))
+
+
+def test_exclude_matching_one_stack_keeps_the_whole_experts_module(moe_dir, tmp_path):
+    """Loading replaces an experts module with all its stacks quantized: excluding one stack
+    (here every down_proj) used to write a checkpoint that failed to load."""
+    src, dst = moe_dir("qwen3_moe"), str(tmp_path / "q")
+    summary = convert(src, dst, "fp4", 32, quantizer="absmax", exclude=["down_proj"], progress=False)
+    assert summary.stacks_converted == 0
+    assert {f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")} <= set(
+        summary.layers_in_float)
+    model = from_pretrained(dst)
+    assert not experts_of(model)
+    check_against_reference(model, reference_with_dequantized_weights(src, model))
+
+
+@pytest.fixture
+def moe_with_tokenizer(moe_dir, tmp_path):
+    from test_hf_gptq import tiny_tokenizer
+
+    path = str(tmp_path / "src")
+    shutil.copytree(moe_dir("qwen3_moe"), path)
+    tiny_tokenizer(path)
+    return path
+
+
+@pytest.mark.parametrize("method,extra,quantized_layers", [
+    ("gptq", ["--exclude", "model.layers.1.mlp.experts.down_proj"], [0]),
+    ("sparsegpt", ["--sparsity", "2:4"], [0, 1])])
+def test_calibrated_conversion_quantizes_expert_stacks(moe_with_tokenizer, tmp_path, capsys, method, extra,
+                                                       quantized_layers):
+    """--method gptq / sparsegpt used to leave the expert stacks in float: they are quantized
+    with round to nearest (dense), counted in the summary and listed in the config."""
+    from test_hf_gptq import TEXTS, write_jsonl
+
+    src, dst = moe_with_tokenizer, str(tmp_path / "q")
+    data = write_jsonl(tmp_path / "cal.jsonl", TEXTS * 3)
+    assert cli_main(["convert", src, dst, "--method", method, "--calibration", data, "--calibration-samples", "24",
+                     "--calibration-length", "16", "--group-size", "32", *extra]) == 0
+    out = capsys.readouterr().out
+    stacks = 2 * len(quantized_layers)
+    assert f"8 linear layers and {stacks} expert stacks (round to nearest) quantized" in out
+    excluded = [f"model.layers.1.mlp.experts.{p}" for p in ("down_proj", "gate_up_proj")] if stacks == 2 else []
+    assert f"; {1 + len(excluded)} left in float" in out
+    qc = read_config(dst)["quantization_config"]
+    assert sorted(name for name, entry in qc["modules"].items() if entry.get("layout") == "experts") == [
+        f"model.layers.{i}.mlp.experts.{p}" for i in quantized_layers for p in ("down_proj", "gate_up_proj")]
+    assert qc["modules_to_not_convert"] == ["lm_head"] + excluded
+    model = from_pretrained(dst)
+    assert sorted(experts_of(model)) == [f"model.layers.{i}.mlp.experts" for i in quantized_layers]
+    assert_stacks_round_to_nearest(model, src, 32, "mse")
+    check_against_reference(model, reference_with_dequantized_weights(src, model))
+
+
+_BLOCK_TRANSFORMERS = '''
+import sys
+
+class _NoTransformers:
+    """As if transformers were not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "transformers":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, _NoTransformers())
+'''
+
+
+def test_without_transformers_moe_conversion_says_so_and_writes_nothing(moe_with_tokenizer, tmp_path):
+    """Without the hf extra the streaming converter used to write an MoE checkpoint that
+    does not load (per-expert layers listed as linear layers) and --method gptq ended in a
+    ModuleNotFoundError: both are now an `error:` naming the install command."""
+    from hf_helpers import leftovers
+    from test_hf_gptq import TEXTS, write_jsonl
+
+    blocker = tmp_path / "no_transformers"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(_BLOCK_TRANSFORMERS)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker)] + [p for p in sys.path if p]))
+    data = write_jsonl(tmp_path / "cal.jsonl", TEXTS)
+    dst = tmp_path / "q"
+    for extra in ([], ["--method", "gptq", "--calibration", data]):
+        run = subprocess.run([sys.executable, "-m", "torch_marlin.cli", "convert", moe_with_tokenizer, str(dst),
+                              "--no-progress", *extra], capture_output=True, text=True, env=env, timeout=300)
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.stderr.startswith("error: ") and "Traceback" not in run.stderr, run.stderr
+        assert "needs transformers, which is not installed" in run.stderr, run.stderr
+        assert "pip install 'torch_marlin[hf]'" in run.stderr
+        assert not dst.exists() and leftovers(str(tmp_path), "q") == []

@@ -36,8 +36,10 @@ from ..model import QuantizationReport, matches_any, quantize_model
 from ..sparsity import CALIBRATED_PRUNING, split_method
 from .config import build_quantization_config
 from .layout import layout_of_model
-from .convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_paths
-from .errors import CheckpointError
+from .convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_finite, check_paths
+from .errors import CheckpointError, import_transformers
+from .modules import keep_stacks_on_save, modules_table
+from .safetensors_io import index_single_file
 
 DEFAULT_SAMPLES = 128
 DEFAULT_LENGTH = 512
@@ -49,7 +51,8 @@ class CalibratedConversion:
     report: QuantizationReport
     samples: int
     tokens: int
-    layers_in_float: List[str] = field(default_factory=list)
+    layers_in_float: List[str] = field(default_factory=list)  # linear layers and expert stacks
+    stacks: int = 0  # expert stacks quantized (round to nearest: calibration of experts is not implemented)
     bytes_before: int = 0
     bytes_after: int = 0
     seconds: float = 0.0
@@ -60,8 +63,9 @@ class CalibratedConversion:
         mib = 2.0 ** -20
         errors = self.report.output_errors.values()
         method, baseline = self.report.method_name, self.report.baseline_name
-        lines = [f"{method}: {len(self.report.replaced)} linear layers quantized on {self.samples} calibration "
-                 f"samples ({self.tokens} tokens); {len(self.layers_in_float)} left in float"]
+        stacks = f" and {self.stacks} expert stacks (round to nearest)" if self.stacks else ""
+        lines = [f"{method}: {len(self.report.replaced)} linear layers{stacks} quantized on {self.samples} "
+                 f"calibration samples ({self.tokens} tokens); {len(self.layers_in_float)} left in float"]
         if errors:
             rtn = sum(e[0] for e in errors) / len(errors)
             gptq = sum(e[1] for e in errors) / len(errors)
@@ -183,12 +187,11 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
         raise ValueError(f"calibration_dtype must be 'float32' or 'bfloat16', got {calibration_dtype!r}")
     if isinstance(exclude, str):
         exclude = [exclude]
+    transformers = import_transformers(f"calibrated conversion (method={method!r})")
     src, dst = check_paths(src, dst, overwrite)
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"{src} is not a model directory (no config.json)")
     texts = read_calibration_texts(calibration)
-
-    import transformers
 
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
@@ -201,7 +204,10 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
         notes.append(f"the calibration file gave {n_samples} samples (fewer than the {samples} asked for)")
 
     model, source_dtype = _load_float_model(src, transformers, DTYPES[calibration_dtype])
-    targets, layers_in_float = _choose_layers(model, exclude, quantize_lm_head)
+    for name, tensor in model.state_dict().items():  # before a NaN reaches the next layer's inputs
+        check_finite(name, tensor)
+    targets, layers_in_float, notes_on_experts = _choose_layers(model, exclude, quantize_lm_head)
+    notes += notes_on_experts
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
     options = {"act_order": act_order} if method == "gptq" else {}
@@ -209,15 +215,7 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                             calibration=batches, damp=damp, block_size=block_size, **options)
     out_dtype = DTYPES[dtype] if dtype is not None else source_dtype
     model.to(out_dtype)  # layers in float back to the source's dtype; scales stay fp16
-    modules = {}
-    for name in report.replaced:
-        layer = model.get_submodule(name)
-        modules[name] = {"weight_format": layer.weight_format, "group_size": layer.group_size,
-                         "in_features": layer.in_features, "out_features": layer.out_features}
-        if getattr(layer, "input_perm", None) is not None:
-            modules[name]["act_order"] = True
-        if layer.quantized_weight().SPARSITY is not None:
-            modules[name]["sparsity"] = layer.quantized_weight().SPARSITY
+    modules = modules_table(model, report)
     description = {"method": "float", "quantizer": method, "act_order": bool(act_order), "damp": damp,
                    "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens,
                    "calibration_dtype": calibration_dtype, **({"sparsity": sparsity} if sparsity else {})}
@@ -230,7 +228,9 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(dst)}.tmp-", dir=parent)
     os.chmod(tmp, 0o777 & ~_umask())
     try:
+        keep_stacks_on_save(model)
         model.save_pretrained(tmp, max_shard_size=max_shard_bytes)
+        index_single_file(tmp)  # save_pretrained indexes sharded checkpoints only; the converter always does
         _copy_other_files(src, tmp)
         if os.path.exists(dst) and not overwrite:
             raise FileExistsError(f"{dst} appeared during the conversion; not replacing it")
@@ -238,7 +238,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return CalibratedConversion(report, n_samples, n_tokens, layers_in_float, _weights_bytes(src),
+    stacks = sum(1 for entry in modules.values() if entry.get("layout") == "experts")
+    return CalibratedConversion(report, n_samples, n_tokens, layers_in_float, stacks, _weights_bytes(src),
                                 _weights_bytes(dst), time.time() - start, dst, notes)
 
 
@@ -266,9 +267,19 @@ def _load_float_model(src: str, transformers, run_dtype: torch.dtype):
 
 
 def _choose_layers(model: nn.Module, exclude: Sequence[str], quantize_lm_head: bool):
-    """Names to quantize (Conv1D ones become nn.Linear), and linear layers left in float."""
+    """Names to quantize: linear layers (Conv1D ones become nn.Linear) and experts modules;
+    the linear layers and expert stacks left in float; notes on experts left in float."""
     layout = layout_of_model(model)
     targets, in_float = [], []
+    stacks_of = {}
+    for name, spec in layout.stacks.items():
+        stacks_of.setdefault(spec.experts_module, []).append(name)
+    for experts, stacks in stacks_of.items():  # loading replaces a module with all its stacks quantized
+        if any(matches_any(name, exclude) for name in [experts] + stacks):
+            in_float += stacks
+        else:
+            targets.append(experts)
+    notes = [f"{name} stays in float: {reason}" for name, reason in layout.experts_unsupported.items()]
     for name, spec in layout.linears.items():
         if (name in layout.tied or (name in layout.output_embeddings and not quantize_lm_head)
                 or matches_any(name, exclude)):
@@ -282,7 +293,7 @@ def _choose_layers(model: nn.Module, exclude: Sequence[str], quantize_lm_head: b
                 linear.bias = nn.Parameter(conv.bias.detach(), requires_grad=False)
             model.set_submodule(name, linear)
         targets.append(name)
-    return targets, sorted(in_float)
+    return targets, sorted(in_float), notes
 
 
 def _weights_bytes(directory: str) -> int:

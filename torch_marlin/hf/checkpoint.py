@@ -9,9 +9,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .errors import CheckpointError
-from .safetensors_io import TensorInfo, read_header, read_tensor
+from .safetensors_io import SAFETENSORS_INDEX, TensorInfo, read_header, read_tensor
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_INDEX = "pytorch_model.bin.index.json"
 
 

@@ -36,6 +36,7 @@ from .safetensors_io import ShardedWriter
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
+_FINITE_CHECK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -52,6 +53,7 @@ class ConversionSummary:
     mean_relative_error: Optional[float] = None  # float sources only
     formats: Dict[str, int] = field(default_factory=dict)  # "fp4/g128" (or "fp4/g128/2:4") -> layer count
     already_sparse: List[str] = field(default_factory=list)  # sparsity: layers that were already 2:4
+    sparsity: Optional[str] = None  # float sources: the layout asked for (expert stacks stay dense)
     notes: List[str] = field(default_factory=list)  # inexact values, dropped tensors
     seconds: float = 0.0
     output: str = ""
@@ -75,6 +77,9 @@ class ConversionSummary:
             lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
         if self.already_sparse:
             lines.append(f"{len(self.already_sparse)} layers were already 2:4 sparse and kept their pattern")
+        if self.sparsity is not None and self.stacks_converted:
+            lines.append(f"{self.stacks_converted} expert stacks stored dense: the expert-stack layout has no "
+                         f"{self.sparsity} form")
         if self.notes:
             lines.append(f"{len(self.notes)} warnings:")
             lines += [f"  - {note}" for note in self.notes[:20]]
@@ -105,7 +110,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
-    a weight that is already 2:4 (trained sparse) keeps its pattern.
+    a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
+    stacks have no 2:4 layout and are quantized dense (the summary says so).
     """
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
@@ -212,6 +218,7 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
         module = owner.get(key)
         if module is None:
             tensor = source.load(key)
+            check_finite(key, tensor)
             if dtype is not None and tensor.is_floating_point() and tensor.element_size() >= 2:
                 tensor = tensor.to(dtype)
             writer.add(key, tensor)
@@ -259,6 +266,7 @@ def _write_tensors(source: SourceCheckpoint, importer: Importer, layout, writer:
     if errors:
         summary.mean_relative_error = sum(errors) / len(errors)
     summary.already_sparse = list(getattr(importer, "already_sparse", []))
+    summary.sparsity = getattr(importer, "sparsity", None)
     return summary, modules
 
 
@@ -301,6 +309,22 @@ def _stack_parts(importer: Importer, plans, members: List[str], parts, spec, sou
     return ConvertedLayer(stacked, bias=torch.stack(biases) if biases else None)
 
 
+def check_finite(name: str, tensor: torch.Tensor) -> None:
+    """A CheckpointError naming the tensor if it holds NaN or Inf: the model would compute NaN.
+    Also used by torch_marlin.hf.calibrated. Float8 tensors (scales) are checked by their importers."""
+    if not tensor.is_floating_point() or tensor.element_size() < 2:
+        return
+    flat = tensor.detach().reshape(-1)
+    for start in range(0, flat.numel(), _FINITE_CHECK_ELEMENTS):  # slices: a small temporary
+        finite = torch.isfinite(flat[start:start + _FINITE_CHECK_ELEMENTS])
+        if not finite.all():
+            index = start + int((~finite).nonzero()[0])
+            value = float(flat[index])
+            where = [int(i) for i in torch.unravel_index(torch.tensor(index), tensor.shape)]
+            raise CheckpointError(f"{name} contains {'NaN' if value != value else value} at {where}: a model "
+                                  f"with a non-finite weight computes NaN")
+
+
 def _check_against_layout(module: str, layer: ConvertedLayer, layout) -> None:
     if not layout.exact:
         return
@@ -337,6 +361,7 @@ def _write_layer(module: str, layer: ConvertedLayer, entry: dict, bias_key: Opti
         writer.add(f"{module}.input_perm", layer.input_perm)
     bias = layer.bias if layer.bias is not None else (None if bias_key is None else source.load(bias_key))
     if bias is not None:
+        check_finite(bias_key or f"{module}.bias", bias)
         expected = (q.num_experts, q.out_features) if isinstance(q, QuantizedExperts) else (q.out_features,)
         if tuple(bias.shape) != expected:
             raise CheckpointError(f"{bias_key or module + '.bias'} has shape {list(bias.shape)}, expected "

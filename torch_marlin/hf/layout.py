@@ -10,7 +10,8 @@ Checkpoints that store experts as per-expert linear layers
 mapped to the stacks through transformers' own conversion mapping of the
 model (which parts are concatenated in which order). Without transformers,
 or for an architecture it does not know, a name-based fallback is used and
-said so.
+said so; a checkpoint with expert tensors is refused then (names alone
+cannot tell how its experts form the stacks the model loads).
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ import torch
 from torch import nn
 
 from ..linear import is_conv1d, is_float_linear
+from .errors import CheckpointError, import_transformers
 
 # Weights that stay in float in the name-based fallback (embeddings, heads, norms).
 _FALLBACK_FLOAT = re.compile(r"(embed|wte|wpe|lm_head|norm|ln_|layernorm|\bln\b|score|classifier)", re.I)
+# Tensors of an experts module: per-expert layers (`experts.3.w1.weight`) or stacks (`experts.gate_up_proj`).
+_EXPERTS_TENSOR = re.compile(r"(^|\.)experts\.")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,12 @@ def describe_model(directory: str, tensor_shapes: Dict[str, tuple]) -> ModelLayo
     try:
         model = build_meta_model(directory)
     except Exception as e:  # noqa: BLE001  (ImportError, unknown architecture, bad config)
+        experts = next((key for key in tensor_shapes if _EXPERTS_TENSOR.search(key)), None)
+        if experts is not None:  # names cannot tell how the experts form the stacks the model loads
+            purpose = f"converting a mixture-of-experts model ({directory} holds {experts})"
+            import_transformers(purpose)
+            raise CheckpointError(f"{purpose} needs its model class, but it could not be built from its config "
+                                  f"({type(e).__name__}: {e})") from e
         warnings.warn(f"could not build the model from its config ({type(e).__name__}: {e}); "
                       f"falling back to name-based detection of linear layers", stacklevel=3)
         return _fallback_layout(tensor_shapes)

@@ -144,17 +144,29 @@ def quantize_linear_modules(model: nn.Module, weight_format: str, group_size: in
     """Quantize loaded linear layers in place (quantize-on-load) with quantize_model;
     returns the `modules` table for the config."""
     report = quantize_model(model, weight_format, group_size, exclude=list(skip), method=quantizer)
+    return modules_table(model, report)
+
+
+def modules_table(model: nn.Module, report) -> Dict[str, dict]:
+    """The `modules` table (config.py) of the linear layers and expert stacks that
+    quantize_model replaced, as its QuantizationReport `report` lists them."""
     table = {}
     for name in report.replaced:
-        q = model.get_submodule(name)
-        table[name] = {"weight_format": weight_format, "group_size": group_size,
-                       "in_features": q.in_features, "out_features": q.out_features}
+        layer = model.get_submodule(name)
+        table[name] = _table_entry(layer)
+        if getattr(layer, "input_perm", None) is not None:
+            table[name]["act_order"] = True
+        if layer.quantized_weight().SPARSITY is not None:
+            table[name]["sparsity"] = layer.quantized_weight().SPARSITY
     for name in report.experts_replaced:
         for param, stack in model.get_submodule(name).stacks().items():
-            table[f"{name}.{param}"] = {"layout": "experts", "num_experts": stack.num_experts,
-                                        "weight_format": weight_format, "group_size": group_size,
-                                        "in_features": stack.in_features, "out_features": stack.out_features}
+            table[f"{name}.{param}"] = {"layout": "experts", "num_experts": stack.num_experts, **_table_entry(stack)}
     return table
+
+
+def _table_entry(module: QuantizedModule) -> dict:
+    return {"weight_format": module.weight_format, "group_size": module.group_size,
+            "in_features": module.in_features, "out_features": module.out_features}
 
 
 def check_loaded(model: nn.Module) -> None:

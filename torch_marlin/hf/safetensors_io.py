@@ -33,6 +33,7 @@ if hasattr(torch, "float8_e8m0fnu"):
     DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER_BYTES = 100 * 2 ** 20
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,22 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def index_single_file(directory: str) -> None:
+    """Write model.safetensors.index.json for a directory holding one unindexed
+    model.safetensors (what save_pretrained leaves for an unsharded model)."""
+    if os.path.exists(os.path.join(directory, SAFETENSORS_INDEX)):
+        return
+    tensors, _ = read_header(os.path.join(directory, "model.safetensors"))
+    _write_index(directory, {name: "model.safetensors" for name in tensors},
+                 sum(info.nbytes for info in tensors.values()))
+
+
+def _write_index(directory: str, weight_map: Dict[str, str], total_bytes: int) -> None:
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(directory, SAFETENSORS_INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+
+
 class ShardedWriter:
     """Writes tensors into safetensors shards as they come, plus an index.
 
@@ -182,9 +199,7 @@ class ShardedWriter:
                 shutil.copyfileobj(data, out, 2 ** 20)
             os.remove(data_path)
             weight_map.update({tensor: name for tensor in header if tensor != "__metadata__"})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2)
+        _write_index(self.directory, weight_map, self.total_bytes)
         return names
 
     def abort(self) -> None:

@@ -26,6 +26,7 @@ class FloatSource(Importer):
     sparsity: Optional[str] = None  # "2:4": magnitude pruning (a weight already 2:4 keeps its pattern)
     skipped: List[str] = field(default_factory=list)  # linear layers / stacks left in float, with reason
     already_sparse: List[str] = field(default_factory=list)  # with sparsity: weights that were already 2:4
+    expert_layers: Set[str] = field(default_factory=set)  # per-expert linear layers (parts of a stack)
     _exclude_tested: Set[str] = field(default_factory=set, init=False, repr=False)  # names matched against exclude
 
     def plan(self) -> Dict[str, LayerPlan]:
@@ -47,6 +48,7 @@ class FloatSource(Importer):
                 plans[module] = self._plan(module, key, f"{module}.bias")
         # Expert stacks: 3-D tensors in the model's own layout (gpt-oss), or per-expert
         # linear layers that transformers merges into stacks (how it saves Mixtral, Qwen-MoE, ...).
+        members = []  # (checkpoint module or stack key, weight key, model stack name, bias key)
         for key in self.source.keys():
             stack = self.layout.resolve(key, self.layout.stacks)
             if stack is not None:
@@ -54,8 +56,7 @@ class FloatSource(Importer):
                 shape = ((spec.num_experts, spec.in_features, spec.out_features) if spec.transposed
                          else (spec.num_experts, spec.out_features, spec.in_features))
                 self._require_float(key, shape)
-                if not self._skip_experts(key, stack):
-                    plans[key] = self._plan(key, key, f"{key}_bias")
+                members.append((key, key, stack, f"{key}_bias"))
         candidates = [k[: -len(".weight")] for k in self.source.keys() if k.endswith(".weight")]
         for module, part in expert_parts(self.layout, candidates).items():
             spec = self.layout.stacks[part.stack]
@@ -66,8 +67,17 @@ class FloatSource(Importer):
             if self.source.shape(f"{module}.weight")[1] != spec.in_features:
                 raise CheckpointError(f"{module}.weight has shape {list(self.source.shape(f'{module}.weight'))}, "
                                       f"but {part.stack} takes in_features={spec.in_features}")
-            if not self._skip_experts(module, part.stack):
-                plans[module] = self._plan(module, f"{module}.weight", f"{module}.bias")
+            members.append((module, f"{module}.weight", part.stack, f"{module}.bias"))
+            self.expert_layers.add(module)
+        # Loading replaces an experts module with all its stacks quantized: an --exclude
+        # pattern matching any of its stacks or layers keeps the whole module in float.
+        excluded = {self.layout.stacks[stack].experts_module for module, _, stack, _ in members
+                    if self._excluded(module, stack, self.layout.stacks[stack].experts_module)}
+        for module, key, stack, bias in members:
+            if self.layout.stacks[stack].experts_module not in excluded:
+                plans[module] = self._plan(module, key, bias)
+            elif stack not in self.skipped:
+                self.skipped.append(stack)
         for pattern in unmatched_patterns(self.exclude, self._exclude_tested):
             self.note(f"exclude pattern {pattern!r} matches no linear layer or experts module")
         return plans
@@ -84,13 +94,6 @@ class FloatSource(Importer):
             raise CheckpointError(f"{key}: expected a float weight of shape {list(shape)} (from the config), got "
                                   f"{self.source.dtype(key)} {list(self.source.shape(key))}")
 
-    def _skip_experts(self, module: str, stack: str) -> bool:
-        if self._excluded(self.layout.stacks[stack].experts_module, module):
-            if stack not in self.skipped:
-                self.skipped.append(stack)
-            return True
-        return False
-
     def convert(self, module: str, plan: LayerPlan) -> ConvertedLayer:
         weight = self.source.load(plan.keys[0])
         stack = self.layout.resolve(module, self.layout.stacks)
@@ -101,8 +104,10 @@ class FloatSource(Importer):
                 return ConvertedLayer(quantize_experts(weight, self.weight_format, self.group_size, self.quantizer))
             conv1d = model_name is not None and self.layout.linears[model_name].kind == "conv1d"
             weight = linear_weight(weight, conv1d)
-            layout = layout_for_sparsity(self.sparsity) or QuantizedWeight
-            if self.sparsity is not None and is_2to4(weight):
+            # The expert-stack layout is dense: an expert's layer is quantized dense under sparsity too.
+            sparsity = None if module in self.expert_layers else self.sparsity
+            layout = layout_for_sparsity(sparsity) or QuantizedWeight
+            if sparsity is not None and is_2to4(weight):
                 self.already_sparse.append(module)
             q = layout.from_float(weight, self.weight_format, self.group_size, self.quantizer)
         except ValueError as e:
