@@ -86,3 +86,28 @@ def test_architecture_lists_every_file_with_a_case_per_format():
               for p in (ROOT / d).rglob("*") if p.suffix in (".h", ".cpp", ".mm", ".metal", ".py")
               and ENUMERATOR.search(p.read_text(errors="ignore"))}
     assert naming - _NAMES_ONE_FORMAT <= listed, naming - _NAMES_ONE_FORMAT - listed
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_table_decode_in_every_build(tmp_path):
+    """The general 16-entry decode a table format takes (TableDecode), forced for every
+    format in every build this CPU runs, against the kernel harness's float64 reference."""
+    sources = sorted((ROOT / "csrc" / "cpu").glob("kernel*.cpp")) + [ROOT / "tests" / "cpu_kernels" / "check_kernels.cpp"]
+    flags = ["-O1", "-std=c++20", "-Wno-psabi", "-DMARLIN_KERNEL_TABLE_DECODE=1", "-I", str(ROOT / "csrc"),
+             "-I", str(ROOT / "metal")]
+
+    def compile_one(src):
+        obj = tmp_path / (src.stem + ".o")
+        r = subprocess.run([CXX, *flags, "-c", str(src), "-o", str(obj)], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{src.name}:\n{r.stderr[-3000:]}"
+        return str(obj)
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = list(pool.map(compile_one, sources))
+    exe = tmp_path / "check_kernels"
+    subprocess.run([CXX, *objects, "-o", str(exe)], check=True, timeout=300)
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:]
+    assert "PASS generic " in r.stdout, r.stdout

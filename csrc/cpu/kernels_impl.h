@@ -143,8 +143,13 @@ constexpr float code_value(int code) {
 template <int F>
 constexpr bool kHasZeros = has_zeros(WeightFormat(F));
 
-// AVX-512 decodes every format by table (TableDecode).
-constexpr bool kTableDecode = MARLIN_KERNEL_AVX512;
+// AVX-512 decodes every format by table (TableDecode); MARLIN_KERNEL_TABLE_DECODE=1
+// makes every build do so (tests/test_format_seam.py checks the table path of each
+// build that way, with the kernel harness).
+#ifndef MARLIN_KERNEL_TABLE_DECODE
+#define MARLIN_KERNEL_TABLE_DECODE MARLIN_KERNEL_AVX512
+#endif
+constexpr bool kTableDecode = MARLIN_KERNEL_TABLE_DECODE;
 
 // The general decode: the 16 values D::value(0..15), looked up by nibble j of
 // each word. AVX-512: one vpermps (it reads the low 4 bits of each index);
