@@ -95,12 +95,7 @@ struct Base6TableMetadata {
 template <class Meta>
 double run(const Sparse24Args& a, int fmt) {
   const auto t0 = std::chrono::steady_clock::now();
-  v8u bad;
-  switch (fmt) {
-    case kFormatFp4: bad = sparse_gemv_impl<Meta, kFormatFp4, false>(a, 0, a.m, 0, a.n); break;
-    case kFormatInt4: bad = sparse_gemv_impl<Meta, kFormatInt4, false>(a, 0, a.m, 0, a.n); break;
-    default: bad = sparse_gemv_impl<Meta, kFormatUint4, false>(a, 0, a.m, 0, a.n); break;
-  }
+  const v8u bad = with_format(fmt, [&]<int F>() { return sparse_gemv_impl<Meta, F, false>(a, 0, a.m, 0, a.n); });
   if (any_lane(bad)) {
     std::fprintf(stderr, "invalid metadata\n");
     std::exit(1);
@@ -185,7 +180,7 @@ int main(int argc, char** argv) {
   const bool quick = argc > 2 && std::atoi(argv[2]);
   const long long shapes[3][2] = {{4096, 4096}, {11008, 4096}, {4096, 11008}};
   for (int s = 0; s < (quick ? 1 : 3); ++s)
-    for (int fmt : {marlin::cpu::kFormatFp4, marlin::cpu::kFormatInt4, marlin::cpu::kFormatUint4})
+    for (int fmt = 0; fmt < marlin::kNumWeightFormats; ++fmt)
       for (int64_t m : {1, 4})
         marlin::cpu::bench::one_case(shapes[s][0], shapes[s][1], m, fmt, repeats);
   return 0;

@@ -33,6 +33,24 @@ MARLIN_CONSTEXPR int kNumWeightFormats = 3;
 // Formats with a zero point per group (`zeros`) besides the scale.
 inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4; }
 
+#if !defined(__METAL_VERSION__)
+// The C++ kernels' run-time dispatch on a format: calls
+// body.template operator()<F>() with f as the template argument F. One case per
+// MARLIN_FOR_EACH_FORMAT entry and no default, so every kernel is instantiated for
+// every format, and a format whose decode is missing does not compile (each
+// decode is a template declared without a body and specialised per format).
+// The ops check f (csrc/core/formats.cpp) before any kernel runs.
+#define MARLIN_FORMAT_CASE(name, F, body) \
+  case F:                                \
+    return body.template operator()<F>();
+template <class Body>
+inline auto with_format(int f, Body&& body) {
+  switch (f) { MARLIN_FOR_EACH_FORMAT(MARLIN_FORMAT_CASE, body) }
+  __builtin_trap();  // not a format: unreachable behind the ops' checks
+}
+#undef MARLIN_FORMAT_CASE
+#endif
+
 MARLIN_CONSTEXPR int kPackFactor = 8;  // 4-bit codes per int32 word, along K
 MARLIN_CONSTEXPR int kInt4Offset = 8;  // int4 is offset-binary: q - 8 is the value
 

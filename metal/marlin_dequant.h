@@ -60,26 +60,56 @@ inline half2 marlin_int_pair(uint w, uint p, half offset) {
   return fma(h, half2(odd ? 0.0625h : 1.0h), half2((odd ? -64.0h : -1024.0h) - offset));
 }
 
+// MarlinFormat<F>: how the kernels decode format F. Declared without a body
+// and specialised per format below, so a format added to
+// MARLIN_FOR_EACH_FORMAT without its specialisation fails to compile (every
+// kernel is instantiated for every format). Each defines
+//   static half2 raw_pair(uint w, uint p)  nibbles p, p + 4 of w -> raw values, exactly
+//   static V scale(V s)                    the group scale (fp32, any vector width) that
+//                                          multiplies raw: the scale times 1 / raw's unit
 template <WeightFormat F>
-inline half2 marlin_raw_pair(uint w, uint p) {
-  if (F == kFp4) return marlin_fp4_pair(w, p);
-  return marlin_int_pair(w, p, F == kInt4 ? half(kInt4Offset) : 0.0h);
-}
+struct MarlinFormat;
 
 // fp4 raw values are value * 2^-14: the group scale is multiplied by 2^14 (FP4
 // exponent bias 1 -> FP16 bias 15) in fp32, exactly.
 constant constexpr float kMarlinFp4ScaleFold = 16384.0f;
 
+template <>
+struct MarlinFormat<kFp4> {
+  static half2 raw_pair(uint w, uint p) { return marlin_fp4_pair(w, p); }
+  template <typename V>
+  static V scale(V s) { return s * kMarlinFp4ScaleFold; }
+};
+
+template <>
+struct MarlinFormat<kUint4> {
+  static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, 0.0h); }
+  template <typename V>
+  static V scale(V s) { return s; }
+};
+
+template <>
+struct MarlinFormat<kInt4> {
+  static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, half(kInt4Offset)); }
+  template <typename V>
+  static V scale(V s) { return s; }
+};
+
+template <WeightFormat F>
+inline half2 marlin_raw_pair(uint w, uint p) {
+  return MarlinFormat<F>::raw_pair(w, p);
+}
+
 // Per (group, column) constants: dequantized weight = (raw - zero) * scale.
 struct MarlinParams {
-  float scale;  // fp4: scale * kMarlinFp4ScaleFold
+  float scale;  // MarlinFormat<F>::scale of the stored scale (fp4: scale * kMarlinFp4ScaleFold)
   float zero;   // uint4 only
 };
 
 template <WeightFormat F>
 inline MarlinParams marlin_params(half scale, half zero) {
   MarlinParams p;
-  p.scale = F == kFp4 ? float(scale) * kMarlinFp4ScaleFold : float(scale);
+  p.scale = MarlinFormat<F>::scale(float(scale));
   p.zero = has_zeros(F) ? float(zero) : 0.0f;
   return p;
 }

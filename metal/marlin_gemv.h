@@ -63,7 +63,7 @@ inline void marlin_gemv_params(const device half* scales, const device half* zer
       }
     }
   }
-  if (F == kFp4) s *= kMarlinFp4ScaleFold;
+  s = MarlinFormat<F>::scale(s);
 }
 
 // x[m, k .. k + 8) as the two float4 (k .. k + 3) and (k + 4 .. k + 7): pair p

@@ -14,6 +14,19 @@ def e2m1_value(code: int) -> float:
     return math.copysign(magnitude, sign)
 
 
+def weight_one_by_one(code: int, scale: float, zero, weight_format: str) -> float:
+    """One dequantized weight from its code and its group's scale (and zero point), per
+    docs/FORMAT.md. Written apart from torch_marlin.formats on purpose: a new format
+    fails every reference test until its decode is written here."""
+    if weight_format == "fp4":
+        return e2m1_value(code) * scale
+    if weight_format == "int4":
+        return (code - 8) * scale
+    if weight_format == "uint4":
+        return (code - zero) * scale
+    raise AssertionError(f"tests/reference.py has no decode for weight_format={weight_format!r}")
+
+
 def pack_one_by_one(codes):
     """codes: list of K rows of N ints -> list of K/8 rows of N signed int32 ints."""
     k, n = len(codes), len(codes[0])
@@ -32,13 +45,8 @@ def dequantize_one_by_one(words, scales, zeros, weight_format, group_size):
     for row in range(k):
         for col in range(n):
             code = ((words[row // 8][col] & 0xFFFFFFFF) >> (4 * (row % 8))) & 0xF
-            s = scales[row // rows][col]
-            if weight_format == "fp4":
-                out[row][col] = e2m1_value(code) * s
-            elif weight_format == "int4":
-                out[row][col] = (code - 8) * s
-            else:
-                out[row][col] = (code - zeros[row // rows][col]) * s
+            zero = None if zeros is None else zeros[row // rows][col]
+            out[row][col] = weight_one_by_one(code, scales[row // rows][col], zero, weight_format)
     return out
 
 
@@ -74,11 +82,6 @@ def dequantize_sparse_one_by_one(values, metadata, scales, zeros, weight_format,
             for slot, p in enumerate((nibble & 3, nibble >> 2)):
                 row = 4 * block + p
                 code = ((values[block // 4][col] & 0xFFFFFFFF) >> (4 * (block % 4 + 4 * slot))) & 0xF
-                s = scales[row // rows][col]
-                if weight_format == "fp4":
-                    out[row][col] = e2m1_value(code) * s
-                elif weight_format == "int4":
-                    out[row][col] = (code - 8) * s
-                else:
-                    out[row][col] = (code - zeros[row // rows][col]) * s
+                zero = None if zeros is None else zeros[row // rows][col]
+                out[row][col] = weight_one_by_one(code, scales[row // rows][col], zero, weight_format)
     return out

@@ -41,9 +41,22 @@ def test_format_md_formats_and_numbers():
 
 def test_convert_md_synopsis():
     text = _text("docs/CONVERT.md")
-    assert tuple(re.search(r"--format ([\w|]+)", text).group(1).split("|")) == formats.WEIGHT_FORMATS
+    # The formats are docs/FORMAT.md's (test_format_md_formats_and_numbers) and --help's choices.
+    assert re.search(r"--format (\w+)", text).group(1) == "FORMAT"
+    choices = next(a.choices for a in _convert_parser()._actions if a.dest == "weight_format")
+    assert tuple(choices) == formats.WEIGHT_FORMATS
     assert tuple(int(g) for g in re.search(r"--group-size ([-\d|]+)", text).group(1).split("|")) == formats.GROUP_SIZES
     assert tuple(re.search(r"--quantizer (\w+(?:\|\w+)*)", text).group(1).split("|")) == quantizer_names()
+
+
+def _convert_parser():
+    import argparse
+
+    from torch_marlin import cli
+
+    parser = cli._parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["convert"]
 
 
 def _code_blocks(text, language=""):

@@ -7,7 +7,7 @@ import torch_marlin as tm
 from torch_marlin import formats
 from torch_marlin.quantize import QuantizedWeight
 
-from reference import dequantize_one_by_one, e2m1_value, pack_one_by_one
+from reference import dequantize_one_by_one, e2m1_value, pack_one_by_one, weight_one_by_one
 
 FORMATS = formats.WEIGHT_FORMATS
 
@@ -78,12 +78,56 @@ def test_quantizer_error_and_determinism(weight_format, group_size, method):
 def test_search_rounding_matches_code_rounding():
     """The search rounds fp4 by arithmetic; the final codes by bucketize. They must agree
     everywhere, ties (midpoints between E2M1 magnitudes round down) included."""
-    from torch_marlin.quantize import _round_codes, _round_e2m1_magnitude
+    from torch_marlin.quantize import _round_codes
 
     grid = torch.arange(0, 8 * 4096 + 1, dtype=torch.float32) / 4096  # every midpoint is on it
     y = torch.cat([grid, grid.nextafter(torch.tensor(9.0)), torch.tensor([1e-30, 1e-3, 7.0, 50.0])])
     expected = tm.formats.code_values(_round_codes(y, "fp4"), "fp4")
-    assert torch.equal(_round_e2m1_magnitude(y.clone()), expected)
+    assert torch.equal(formats.round_e2m1_magnitude(y.clone()), expected)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+def test_descriptor_values_equal_the_reference(weight_format):
+    """The descriptor's 16 code values against the independent per-element decode."""
+    fmt = formats.value_format(weight_format)
+    assert fmt.number == FORMATS.index(weight_format) and fmt.zeros == formats.has_zeros(weight_format)
+    for code in range(16):
+        expected = weight_one_by_one(code, 1.0, 0.0, weight_format)
+        got = float(fmt.code_values(torch.tensor([code]))[0])
+        assert got == expected and str(got) == str(expected), (code, got, expected)  # fp4 -0.0 too
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_descriptor_rounding_is_the_nearest_code(weight_format, dtype):
+    """Each format's rounding rules (nearest_values, round_codes, codes_of) agree with each
+    other and, off ties, with the generic table search a table format takes."""
+    fmt = formats.value_format(weight_format)
+    table = formats.ValueFormat("table", fmt.values, fmt.zeros)
+    distinct = fmt.values.unique().double()
+    midpoints = ((distinct[1:] + distinct[:-1]) / 2).to(dtype)
+    x = torch.cat([torch.linspace(-20, 20, 4001, dtype=dtype), torch.randn(4000, dtype=dtype) * 5, midpoints])
+    codes = fmt.round_codes(x)
+    values = fmt.nearest_values(x)
+    assert values.dtype == dtype and torch.equal(values, fmt.code_values(codes).to(dtype))
+    assert torch.equal(fmt.codes_of(values), codes)
+    # Brute force: distance to every code value; ties are where two codes are equally near.
+    distance = (x.double().unsqueeze(-1) - distinct).abs()
+    nearest = distance.min(-1).values
+    tie = (distance == nearest.unsqueeze(-1)).sum(-1) > 1
+    assert tie.sum() >= len(midpoints)
+    assert torch.equal((fmt.code_values(codes).double() - x.double()).abs(), nearest)
+    assert torch.equal(table.nearest_values(x)[~tie], values[~tie])
+    assert torch.equal(table.code_values(table.round_codes(x)).to(dtype), table.nearest_values(x))
+
+
+def test_table_format_ties_round_to_the_smaller_value():
+    fmt = formats.ValueFormat("table", [float(v) for v in range(-7, 9)])
+    x = torch.tensor([-7.5, -0.5, 0.5, 2.5, 8.5, 100.0, -100.0])
+    assert fmt.nearest_values(x).tolist() == [-7.0, -1.0, 0.0, 2.0, 8.0, 8.0, -7.0]
+    assert fmt.round_codes(x).tolist() == [0, 6, 7, 9, 15, 15, 0]
+    with pytest.raises(ValueError, match="16 code values"):
+        formats.ValueFormat("short", [0.0, 1.0])
 
 
 @pytest.mark.parametrize("weight_format", FORMATS)

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import torch
 
-# The position of a format in WEIGHT_FORMATS is its number in state_dicts and
-# checkpoints (MarlinLinear's _extra_state) and in the C++/Metal enum
-# (metal/marlin_common.h): never reorder, only append.
-WEIGHT_FORMATS = ("fp4", "uint4", "int4")
-FORMATS_WITH_ZEROS = ("uint4",)  # asymmetric: a zero point per group besides the scale
 # 16 is the NVFP4 block size; the others are the usual GPTQ/AWQ/MLX groups.
 GROUP_SIZES = (16, 32, 64, 128, 256, -1)
 PACK_FACTOR = 8  # 4-bit codes per int32 word, along K
@@ -28,6 +23,124 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 
+
+# --- value formats ---------------------------------------------------------------------
+# A value format says what a 4-bit code means: the value of each of the 16 codes
+# before the group scale, whether a group also has a zero point (w = (value - zero)
+# * scale, else w = value * scale), and how a real x = w / scale (+ zero) rounds to
+# the nearest code. Every Python path (quantize.py, gptq.py, sparsegpt.py, the C++
+# quantizer's wrapper, the reference dequantizer) asks the descriptor; the C++ and
+# Metal decodes are specialised per format (metal/marlin_common.h).
+
+class ValueFormat:
+    """A format given by its table of 16 code values; rounding to the nearest value by
+    table search (ties to the smaller value). Formats with a faster exact rule override
+    `nearest_values` / `round_codes` / `codes_of` and must agree with the table search
+    off ties (tests/test_formats.py)."""
+
+    def __init__(self, name: str, values, zeros: bool = False):
+        self.name = name
+        self.values = torch.as_tensor(values, dtype=torch.float32)  # indexed by code
+        if self.values.shape != (16,):
+            raise ValueError(f"a value format has 16 code values, got {list(self.values.shape)}")
+        self.zeros = zeros  # a zero point per group besides the scale
+        self._order = torch.sort(self.values, stable=True).indices
+        ordered = self.values[self._order]
+        self._midpoints = (ordered[1:] + ordered[:-1]) / 2
+
+    @property
+    def number(self) -> int:
+        """Persisted in state_dicts and checkpoints, and the C++/Metal enum value."""
+        return WEIGHT_FORMATS.index(self.name)
+
+    @property
+    def max_value(self) -> float:
+        """The largest code value: a symmetric group's absmax maps to it."""
+        return float(self.values.max())
+
+    @property
+    def value_range(self) -> float:
+        """Largest minus smallest code value: an asymmetric group's range maps onto it."""
+        return float(self.values.max() - self.values.min())
+
+    def code_values(self, codes: torch.Tensor) -> torch.Tensor:
+        """Value of each code before the scale (float32); formats with zeros give q."""
+        return self.values.to(codes.device)[codes.long()]
+
+    def round_codes(self, x: torch.Tensor) -> torch.Tensor:
+        """Nearest code of each x = w / scale (+ zero); uint8 of the same shape."""
+        index = torch.bucketize(x, self._midpoints.to(device=x.device, dtype=x.dtype))
+        return self._order.to(x.device)[index].to(torch.uint8)
+
+    def nearest_values(self, x: torch.Tensor) -> torch.Tensor:
+        """code_values(round_codes(x)) in x's dtype: a new tensor."""
+        return self.code_values(self.round_codes(x)).to(x.dtype)
+
+    def codes_of(self, values: torch.Tensor) -> torch.Tensor:
+        """uint8 codes of exact code values (q for formats with zeros)."""
+        return self.round_codes(values)
+
+
+class _E2M1(ValueFormat):
+    """FP4 E2M1: sign bit 3, magnitude rounded by arithmetic (ties down)."""
+
+    def __init__(self, name: str):
+        super().__init__(name, E2M1_VALUES)
+        magnitudes = E2M1_VALUES[:8]
+        self._magnitude_midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
+
+    def round_codes(self, x):
+        magnitude = torch.bucketize(x.abs(), self._magnitude_midpoints.to(x.device))
+        return (magnitude | ((x < 0) & (magnitude > 0)).to(magnitude.dtype) << 3).to(torch.uint8)
+
+    def nearest_values(self, x):
+        return round_e2m1_magnitude(x.abs().float()).to(x.dtype).copysign_(x)
+
+    def codes_of(self, values):
+        # E2M1 magnitude m = mantissa * 2^exponent (frexp): 0, 0.5 -> codes 0, 1; from 1 up,
+        # 2 * exponent, plus 1 when the mantissa is 0.75 (1.5, 3, 6).
+        magnitude = values.abs()
+        mantissa, exponent = torch.frexp(magnitude)
+        code = torch.where(magnitude < 1, magnitude * 2, 2 * exponent + (mantissa == 0.75)).to(torch.uint8)
+        return code | ((values < 0).to(torch.uint8) << 3)
+
+
+class _Integer(ValueFormat):
+    """Code q has the value q - offset; rounding is torch.round (ties to even) and a clamp."""
+
+    def __init__(self, name: str, offset: int, zeros: bool = False):
+        super().__init__(name, torch.arange(16) - offset, zeros)
+        self.offset = offset
+
+    def round_codes(self, x):
+        return (torch.round(x).clamp(-self.offset, 15 - self.offset) + self.offset).to(torch.uint8)
+
+    def nearest_values(self, x):
+        return torch.round(x).clamp_(-self.offset, 15 - self.offset)
+
+    def codes_of(self, values):
+        return (values + self.offset).to(torch.uint8)
+
+
+def round_e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
+    """Nearest E2M1 magnitude of y >= 0 with ties down, as the fp4 round_codes rounds, by
+    arithmetic (~20x faster than bucketize plus a table): one mantissa bit means a
+    step of half the power of two below y, and 0.5 below 1 (the subnormal)."""
+    step = (y.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=1.0).mul_(0.5)
+    return torch.div(y, step).sub_(0.5).ceil_().mul_(step).clamp_(max=6.0)
+
+
+# In persisted order: the position of a format is its number in state_dicts and
+# checkpoints (MarlinLinear's _extra_state) and in the C++/Metal enum
+# (metal/marlin_common.h): never reorder, only append.
+VALUE_FORMATS = {f.name: f for f in (
+    _E2M1("fp4"),
+    _Integer("uint4", 0, zeros=True),
+    _Integer("int4", INT4_OFFSET),
+)}
+WEIGHT_FORMATS = tuple(VALUE_FORMATS)
+FORMATS_WITH_ZEROS = tuple(name for name, f in VALUE_FORMATS.items() if f.zeros)
+
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j at bits 4j..4j+3
 
 
@@ -36,10 +149,15 @@ def check_weight_format(weight_format: str, name: str = "weight_format") -> None
         raise ValueError(f"{name} must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
 
 
+def value_format(weight_format: str) -> ValueFormat:
+    """The descriptor of a format name; a ValueError naming the allowed names otherwise."""
+    check_weight_format(weight_format)
+    return VALUE_FORMATS[weight_format]
+
+
 def has_zeros(weight_format: str) -> bool:
     """Whether the format stores zero points (`zeros`) next to the scales."""
-    check_weight_format(weight_format)
-    return weight_format in FORMATS_WITH_ZEROS
+    return value_format(weight_format).zeros
 
 
 def check_group_size(group_size: int, name: str = "group_size") -> None:
@@ -100,12 +218,8 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def code_values(codes: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """Real value of each code before the scale (float32); uint4 returns q."""
-    check_weight_format(weight_format)
-    if weight_format == "fp4":
-        return E2M1_VALUES.to(codes.device)[codes.long()]
-    values = codes.to(torch.float32)
-    return values - INT4_OFFSET if weight_format == "int4" else values
+    """Real value of each code before the scale (float32); formats with zeros return q."""
+    return value_format(weight_format).code_values(codes)
 
 
 def check_quantized(packed, scales, zeros, weight_format: str, group_size: int) -> tuple:

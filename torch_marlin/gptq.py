@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import formats
-from .quantize import QuantizedWeight, _round_e2m1_magnitude, _to_fp16_scale, _values
+from .quantize import QuantizedWeight, _to_fp16_scale, _values
 
 DEFAULT_DAMP = 0.01
 DEFAULT_BLOCK_SIZE = 128
@@ -237,7 +237,7 @@ class _Problem:
         deq = torch.empty(n, kp, dtype=w.dtype)
         if fixed is None:
             scales = torch.empty(n, groups, dtype=torch.float16)
-            zeros = torch.empty_like(scales) if fmt == "uint4" else None
+            zeros = torch.empty_like(scales) if formats.has_zeros(fmt) else None
         else:
             scales, zeros = fixed.scales, fixed.zeros
         search_per_group = fixed is None and gs <= self.block
@@ -345,28 +345,18 @@ def _dequantize(codes, scales, zeros, weight_format, group_size) -> torch.Tensor
 
 
 def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], weight_format: str):
-    """(code value before the scale -- q itself for uint4 --, dequantized value) of one column."""
-    x = w / scale
-    if weight_format == "fp4":
-        v = _round_e2m1_magnitude(x.abs().float()).to(x.dtype).copysign_(x)
+    """(code value before the scale -- q itself for formats with zeros --, dequantized value) of one column."""
+    fmt = formats.value_format(weight_format)
+    if zero is None:
+        v = fmt.nearest_values(w / scale)
         return v, v * scale
-    if weight_format == "int4":
-        v = torch.round(x).clamp_(-formats.INT4_OFFSET, 15 - formats.INT4_OFFSET)
-        return v, v * scale
-    q = torch.round(x + zero).clamp_(0, 15)
+    q = fmt.nearest_values(w / scale + zero)
     return q, (q - zero) * scale
 
 
 def _codes_of(values: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """uint8 codes of exact code values (q for uint4)."""
-    if weight_format != "fp4":
-        return (values + (formats.INT4_OFFSET if weight_format == "int4" else 0)).to(torch.uint8)
-    # E2M1 magnitude m = mantissa * 2^exponent (frexp): 0, 0.5 -> codes 0, 1; from 1 up,
-    # 2 * exponent, plus 1 when the mantissa is 0.75 (1.5, 3, 6).
-    magnitude = values.abs()
-    mantissa, exponent = torch.frexp(magnitude)
-    code = torch.where(magnitude < 1, magnitude * 2, 2 * exponent + (mantissa == 0.75)).to(torch.uint8)
-    return code | ((values < 0).to(torch.uint8) << 3)
+    """uint8 codes of exact code values (q for formats with zeros)."""
+    return formats.value_format(weight_format).codes_of(values)
 
 
 def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str):
@@ -379,13 +369,14 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
     n = group.shape[0]
     best_err = torch.full((n,), float("inf"))
     best_s = torch.empty(n, dtype=torch.float16)
-    best_z = torch.zeros(n, dtype=torch.float16) if weight_format == "uint4" else None
-    if weight_format == "uint4":
+    fmt = formats.value_format(weight_format)
+    best_z = torch.zeros(n, dtype=torch.float16) if fmt.zeros else None
+    if fmt.zeros:
         lo, hi = group.amin(-1).clamp(max=0), group.amax(-1).clamp(min=0)
-        qmax = 15.0
+        qmax = fmt.value_range
     else:
         lo, hi = None, group.abs().amax(-1)
-        qmax = 6.0 if weight_format == "fp4" else 7.0
+        qmax = fmt.max_value
     csum = c.sum(-1, keepdim=True)
     for ratio in _CLIP_RATIOS:
         if lo is None:
@@ -395,7 +386,7 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
             s = _to_fp16_scale((hi - lo) * ratio / qmax)
             z = (-lo * ratio / s.float()).half()
         for refit in range(_SEARCH_REFITS):
-            v = _values(group, s, z, weight_format)  # q - zero for uint4
+            v = _values(group, s, z, weight_format)  # q - zero for formats with zeros
             d = v * s.float().unsqueeze(-1) - group
             err = (d * d * c).sum(-1)
             better = err < best_err

@@ -16,7 +16,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from . import formats
-from .formats import E2M1_VALUES, FP16_MAX, INT4_OFFSET
+from .formats import FP16_MAX
 from .layouts.dense import QuantizedWeight
 
 # Rows of N quantized at once: bounds the search's temporary memory.
@@ -133,20 +133,11 @@ def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, 
     return q
 
 
-# --- per-format rounding -------------------------------------------------------------
-
-_E2M1_MAGNITUDES = E2M1_VALUES[:8]
-_E2M1_MIDPOINTS = (_E2M1_MAGNITUDES[1:] + _E2M1_MAGNITUDES[:-1]) / 2
-
+# --- rounding (the format's descriptor, formats.VALUE_FORMATS) --------------------------
 
 def _round_codes(x: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """Nearest code for x = w / scale (+ zero for uint4); uint8 of the same shape."""
-    if weight_format == "fp4":
-        magnitude = torch.bucketize(x.abs(), _E2M1_MIDPOINTS.to(x.device))
-        return (magnitude | ((x < 0) & (magnitude > 0)).to(magnitude.dtype) << 3).to(torch.uint8)
-    if weight_format == "int4":
-        return (torch.round(x).clamp(-INT4_OFFSET, 15 - INT4_OFFSET) + INT4_OFFSET).to(torch.uint8)
-    return torch.round(x).clamp(0, 15).to(torch.uint8)
+    """Nearest code for x = w / scale (+ zero for formats with zeros); uint8 of the same shape."""
+    return formats.value_format(weight_format).round_codes(x)
 
 
 def _reconstruct(codes, scales, zeros, weight_format):
@@ -167,22 +158,13 @@ def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
 
 def _values(groups: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], weight_format: str):
     """Value of the nearest code before the scale, i.e. code_values(_round_codes(...))
-    (minus zero for uint4), for every weight; float32 like groups."""
+    (minus zero for formats with zeros), for every weight; float32 like groups."""
+    fmt = formats.value_format(weight_format)
     s = scale.float().unsqueeze(-1)
-    if weight_format == "fp4":
-        return _round_e2m1_magnitude(groups.abs() / s).copysign_(groups)
-    if weight_format == "int4":
-        return torch.round(groups / s).clamp_(-INT4_OFFSET, 15 - INT4_OFFSET)
+    if zero is None:
+        return fmt.nearest_values(groups / s)
     z = zero.float().unsqueeze(-1)
-    return torch.round(groups / s + z).clamp_(0, 15).sub_(z)
-
-
-def _round_e2m1_magnitude(y: torch.Tensor) -> torch.Tensor:
-    """Nearest E2M1 magnitude of y >= 0 with ties down, as _round_codes rounds, by
-    arithmetic (~20x faster than bucketize plus a table): one mantissa bit means a
-    step of half the power of two below y, and 0.5 below 1 (the subnormal)."""
-    step = (y.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=1.0).mul_(0.5)
-    return torch.div(y, step).sub_(0.5).ceil_().mul_(step).clamp_(max=6.0)
+    return fmt.nearest_values(groups / s + z).sub_(z)
 
 
 def _search_space(search: bool):
@@ -224,7 +206,7 @@ def _keep_better(best, err, scale, zero):
 
 
 def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
-    qmax = 6.0 if weight_format == "fp4" else 7.0
+    qmax = formats.value_format(weight_format).max_value
     absmax = groups.abs().amax(-1)
     best = None
     ratios, rounds = _search_space(search)
@@ -250,10 +232,11 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
     n = groups.shape[-1]
     w_mean = _tree_sum(groups) / n
     w_centered = groups - w_mean.unsqueeze(-1)
+    value_range = formats.value_format(weight_format).value_range
     best = None
     ratios, rounds = _search_space(search)
     for ratio in ratios:
-        scale = _to_fp16_scale((hi - lo) * ratio / 15.0)
+        scale = _to_fp16_scale((hi - lo) * ratio / value_range)
         zero = (-lo * ratio / scale.float()).to(torch.float16)
         for round_ in range(rounds):
             v = _values(groups, scale, zero, weight_format)  # q - zero

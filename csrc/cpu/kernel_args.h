@@ -2,13 +2,10 @@
 #pragma once
 #include <stdint.h>
 
-#include "marlin_common.h"  // WeightFormat
+#include "marlin_common.h"  // WeightFormat, with_format
 
 namespace marlin {
 namespace cpu {
-
-// The kernels' template argument F (int) takes these.
-constexpr int kFormatFp4 = kFp4, kFormatUint4 = kUint4, kFormatInt4 = kInt4;
 
 struct GemmArgs {
   const float* x;          // [m, k] fp32, contiguous (null for dequantize, or when x_bf16 is set)

@@ -122,14 +122,73 @@ inline vf fmadd(vf a, vf b, vf c) {
 #endif
 }
 
-// The value of each 4-bit code, indexed by the raw code (int4: q - 8; fp4 code 8 is -0).
+// --- value formats ----------------------------------------------------------------
+// FormatDecode<F> is how the kernels decode format F. It is declared without a
+// body and defined once per format below, so a format added to
+// MARLIN_FOR_EACH_FORMAT without one fails to compile (with_format instantiates
+// every kernel for every format). Each defines
+//   static constexpr float value(int code)  the code's value before the scale
+//                                           (formats with zeros: q; the zero is applied per group)
+//   static vi prepare(vi w)                 applied once to a loaded vector of words
+//   static vf nibble(vi w, int j)           nibble j's value, of prepared words
+//   static constexpr bool kByteTable        AVX2 GEMV: decodes through the byte table below
+// A format that is only a table of 16 values derives from TableDecode.
+template <int F>
+struct FormatDecode;
+
 template <int F>
 constexpr float code_value(int code) {
-  const float e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-  return F == kFormatFp4 ? (code & 8 ? -e2m1[code & 7] : e2m1[code & 7])
-         : F == kFormatInt4 ? float(code - 8)
-                            : float(code);
+  return FormatDecode<F>::value(code);
 }
+template <int F>
+constexpr bool kHasZeros = has_zeros(WeightFormat(F));
+
+// AVX-512 decodes every format by table (TableDecode); MARLIN_KERNEL_TABLE_DECODE=1
+// makes every build do so (tests/test_format_seam.py checks the table path of each
+// build that way, with the kernel harness).
+#ifndef MARLIN_KERNEL_TABLE_DECODE
+#define MARLIN_KERNEL_TABLE_DECODE MARLIN_KERNEL_AVX512
+#endif
+constexpr bool kTableDecode = MARLIN_KERNEL_TABLE_DECODE;
+
+// The general decode: the 16 values D::value(0..15), looked up by nibble j of
+// each word. AVX-512: one vpermps (it reads the low 4 bits of each index);
+// AVX2: two vpermps of 8 values (they read the low 3 bits) and a blend on bit
+// 3; other builds one load per lane.
+template <class D>
+inline vf table_nibble(vi w, int j) {
+#define MARLIN_V(i) D::value(i)
+#if MARLIN_KERNEL_AVX512
+  const vf values = {MARLIN_V(0),  MARLIN_V(1),  MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
+                     MARLIN_V(6),  MARLIN_V(7),  MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
+                     MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  return _mm512_permutexvar_ps((__m512i)((vu)w >> (4 * j)), (__m512)values);
+#elif MARLIN_KERNEL_AVX2
+  const vf low = {MARLIN_V(0), MARLIN_V(1), MARLIN_V(2), MARLIN_V(3), MARLIN_V(4), MARLIN_V(5), MARLIN_V(6), MARLIN_V(7)};
+  const vf high = {MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
+                   MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  const vi index = (vi)((vu)w >> (4 * j));
+  return __builtin_ia32_blendvps256(__builtin_ia32_permvarsf256(low, index), __builtin_ia32_permvarsf256(high, index),
+                                    (vf)(index << 28));  // bit 3 of the code into the sign: picks high
+#else
+  constexpr float values[16] = {MARLIN_V(0), MARLIN_V(1), MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
+                                MARLIN_V(6), MARLIN_V(7), MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
+                                MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  const vu index = ((vu)w >> (4 * j)) & 15;
+  vf v;
+  for (int l = 0; l < kLanes; ++l) v[l] = values[index[l]];
+  return v;
+#endif
+#undef MARLIN_V
+}
+
+// A format given by its 16 values only (D derives from TableDecode<D> and defines value()).
+template <class D>
+struct TableDecode {
+  static constexpr bool kByteTable = false;
+  static vi prepare(vi w) { return w; }
+  static vf nibble(vi w, int j) { return table_nibble<D>(w, j); }
+};
 
 // E2M1 code (0..15) -> fp32 with neither tables nor compares (GCC turns
 // vector compares into scalar code without AVX). The magnitude bits e:m,
@@ -144,29 +203,17 @@ inline vf decode_fp4(vi code) {
   return (vf)((vi)magnitude | ((code & 8) << 28));
 }
 
-// AVX-512 decodes every format by table: vpermps reads the low 4 bits of each index.
-constexpr bool kTableDecode = MARLIN_KERNEL_AVX512;
-
-// Prepares a loaded word vector for decode_nibble: int4 flips each nibble's
-// top bit, so that nibble read as a signed 4-bit number is q - 8.
-template <int F>
-inline vi prepare_words(vi w) {
-  return F == kFormatInt4 && !kTableDecode ? w ^ int32_t(0x88888888u) : w;
-}
-
-// Value of nibble j (K row 8r + j) of prepared words: fp4 -> e2m1 value,
-// int4 -> q - 8 (exact, no zero point needed), uint4 -> q (zero applied later).
-template <int F>
-inline vf decode_nibble(vi w, int j) {
-#if MARLIN_KERNEL_AVX512
-#define MARLIN_V(i) code_value<F>(i)
-  const vf values = {MARLIN_V(0),  MARLIN_V(1),  MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
-                     MARLIN_V(6),  MARLIN_V(7),  MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
-                     MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
-#undef MARLIN_V
-  return _mm512_permutexvar_ps((__m512i)((vu)w >> (4 * j)), (__m512)values);
-#else
-  if (F == kFormatFp4) {
+// fp4: E2M1 (fp4 code 8 is -0).
+template <>
+struct FormatDecode<kFp4> {
+  static constexpr bool kByteTable = MARLIN_KERNEL_AVX2;
+  static constexpr float value(int code) {
+    constexpr float e2m1[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    return code & 8 ? -e2m1[code & 7] : e2m1[code & 7];
+  }
+  static vi prepare(vi w) { return w; }
+  static vf nibble(vi w, int j) {
+    if constexpr (kTableDecode) return table_nibble<FormatDecode>(w, j);
 #if MARLIN_KERNEL_AVX2
     // vpermps reads only the low 3 bits of each index: a magnitude table
     // lookup without masking; the sign bit is moved to bit 31.
@@ -176,12 +223,44 @@ inline vf decode_nibble(vi w, int j) {
 #else
     return decode_fp4((vi)((vu)w >> (4 * j)) & 15);
 #endif
-  } else if (F == kFormatInt4) {
+  }
+};
+
+// int4: q - 8 (exact, no zero point needed). prepare flips each nibble's top
+// bit, so that the nibble read as a signed 4-bit number is q - 8.
+template <>
+struct FormatDecode<kInt4> {
+  static constexpr bool kByteTable = false;
+  static constexpr float value(int code) { return float(code - kInt4Offset); }
+  static vi prepare(vi w) { return kTableDecode ? w : w ^ int32_t(0x88888888u); }
+  static vf nibble(vi w, int j) {
+    if constexpr (kTableDecode) return table_nibble<FormatDecode>(w, j);
     return __builtin_convertvector((w << (28 - 4 * j)) >> 28, vf);
-  } else {
+  }
+};
+
+// uint4: q (the zero point is applied per group).
+template <>
+struct FormatDecode<kUint4> {
+  static constexpr bool kByteTable = false;
+  static constexpr float value(int code) { return float(code); }
+  static vi prepare(vi w) { return w; }
+  static vf nibble(vi w, int j) {
+    if constexpr (kTableDecode) return table_nibble<FormatDecode>(w, j);
     return __builtin_convertvector((vi)((vu)w >> (4 * j)) & 15, vf);
   }
-#endif
+};
+
+// Prepares a loaded word vector for decode_nibble.
+template <int F>
+inline vi prepare_words(vi w) {
+  return FormatDecode<F>::prepare(w);
+}
+
+// Value of nibble j (K row 8r + j) of prepared words (formats with zeros: q).
+template <int F>
+inline vf decode_nibble(vi w, int j) {
+  return FormatDecode<F>::nibble(w, j);
 }
 
 // ---------------------------------------------------------------------------
@@ -303,24 +382,29 @@ struct GemvChunk {
 };
 
 // A loaded word vector, split into what its 8 nibbles share. AVX2 fp4 uses
-// vpshufb, a 16-entry byte table per 128-bit lane: a = even nibbles, b = odd
-// nibbles, each byte 2 * e2m1(code) as int8 (exact; -0 becomes +0, which a
-// sum cannot tell apart). The other paths keep the word for decode_nibble.
+// vpshufb, a 16-entry byte table per 128-bit lane (FormatDecode<F>::kByteTable,
+// for formats whose doubled values are small integers): a = even nibbles, b =
+// odd nibbles, each byte 2 * value(code) as int8 (exact; -0 becomes +0, which
+// a sum cannot tell apart). The other paths keep the word for decode_nibble.
 struct GemvWords {
   vi a, b;
 };
-constexpr bool kGemvByteTable = MARLIN_KERNEL_AVX2;
 
 template <int F, bool Dot>
 inline GemvWords gemv_prepare(vi w) {
 #if MARLIN_KERNEL_AVX2
-  if (F == kFormatFp4) {
+  if constexpr (FormatDecode<F>::kByteTable) {
     typedef char v32c __attribute__((vector_size(32)));
-    const v32c twice_e2m1 = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                             0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define MARLIN_B(i) char(2 * code_value<F>(i))
+#define MARLIN_B16 MARLIN_B(0), MARLIN_B(1), MARLIN_B(2), MARLIN_B(3), MARLIN_B(4), MARLIN_B(5), MARLIN_B(6), \
+                   MARLIN_B(7), MARLIN_B(8), MARLIN_B(9), MARLIN_B(10), MARLIN_B(11), MARLIN_B(12), MARLIN_B(13), \
+                   MARLIN_B(14), MARLIN_B(15)
+    const v32c twice_values = {MARLIN_B16, MARLIN_B16};
+#undef MARLIN_B16
+#undef MARLIN_B
     const vi low = w & 0x0F0F0F0F, high = (vi)((vu)w >> 4) & 0x0F0F0F0F;
-    return {(vi)__builtin_ia32_pshufb256(twice_e2m1, (v32c)low),
-            (vi)__builtin_ia32_pshufb256(twice_e2m1, (v32c)high)};
+    return {(vi)__builtin_ia32_pshufb256(twice_values, (v32c)low),
+            (vi)__builtin_ia32_pshufb256(twice_values, (v32c)high)};
   }
 #endif
   return {prepare_words<F>(w), vi{}};
@@ -333,7 +417,7 @@ inline vf gemv_value(const GemvWords& p, int j) {
 #if MARLIN_KERNEL_BF16_DOT
   if (Dot) return decode_pair<F>(p.a, j);
 #endif
-  if (F == kFormatFp4 && kGemvByteTable) {
+  if (FormatDecode<F>::kByteTable) {
     const vi bytes = (j & 1) ? p.b : p.a;
     return __builtin_convertvector((bytes << (24 - 8 * (j >> 1))) >> 24, vf);
   }
@@ -377,8 +461,8 @@ inline void gemv_micro(const GemvChunk& c, int col) {
         continue;
       }
       vf sum = p[i][v];
-      if (F == kFormatFp4 && kGemvByteTable && !Dot) sum *= 0.5f;
-      if (F == kFormatUint4) sum -= load(c.zero + col + kLanes * v) * c.xsum[i * c.ldxsum];
+      if (FormatDecode<F>::kByteTable && !Dot) sum *= 0.5f;
+      if (kHasZeros<F>) sum -= load(c.zero + col + kLanes * v) * c.xsum[i * c.ldxsum];
       store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
     }
   }
@@ -450,7 +534,7 @@ inline void load_panel_group(const GemmArgs& a, int64_t g, int64_t pb, int64_t n
   for (int s = 0; s < strips; ++s) {
     const int64_t nb = pb + s * kStrip, cols = n1 - nb < kStrip ? n1 - nb : kStrip;
     copy_halves(p.scale + s * kStrip, a.scales + g * a.n + nb, cols, kStrip);
-    if (F == kFormatUint4) copy_halves(p.zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
+    if (kHasZeros<F>) copy_halves(p.zero + s * kStrip, a.zeros + g * a.n + nb, cols, kStrip);
   }
 }
 // The panel's sums of rows m0 .. m0 + rows into out.
@@ -590,7 +674,7 @@ void gemv_stream(const GemmArgs& a, int64_t m0, int64_t n0, int64_t n1) {
       }
       if (c.last) {
         copy_halves(scale, a.scales + g * a.n + n0 + nb, left, kStrip);
-        if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + n0 + nb, left, kStrip);
+        if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + n0 + nb, left, kStrip);
       }
       c.part = part + nb;
       c.acc = acc + nb;
@@ -618,7 +702,7 @@ void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float
     if (g != group) {  // groups span whole words: group_rows is a multiple of 8
       group = g;
       copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
+      if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
     }
     const int32_t* src = a.packed + r * a.n + nb;
     if (cols < kTileCols) {
@@ -629,11 +713,11 @@ void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float
     for (int q = 0; q < kTileCols / kLanes; ++q) {
       const vi w = prepare_words<F>(load(src + kLanes * q));
       const vf s = load(scale + kLanes * q);
-      const vf z = F == kFormatUint4 ? load(zero + kLanes * q) : vf{};
+      const vf z = kHasZeros<F> ? load(zero + kLanes * q) : vf{};
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const vf v = decode_nibble<F>(w, j);
-        store(dst + j * kTileCols + kLanes * q, F == kFormatUint4 ? (v - z) * s : v * s);
+        store(dst + j * kTileCols + kLanes * q, kHasZeros<F> ? (v - z) * s : v * s);
       }
     }
   }
@@ -760,7 +844,7 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float
     for (int v = 0; v < kDotVectors; ++v) {
       const int o = col + kLanes * v;
       vf sum = p[i][v];
-      if (F == kFormatUint4 && xsum) sum -= load(zero + o) * xsum[i * ldxsum];
+      if (kHasZeros<F> && xsum) sum -= load(zero + o) * xsum[i * ldxsum];
       store(acc + i * kTileCols + o, fmadd(load(scale + o), sum, load(acc + i * kTileCols + o)));
     }
   }
@@ -782,13 +866,13 @@ void gemm_tiles_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float
       const int64_t g = s0 / a.group_rows;
       const int64_t s1 = (g + 1) * a.group_rows < k0 + rows ? (g + 1) * a.group_rows : k0 + rows;
       copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
+      if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
       const float* pairs = tile + (s0 - k0) / 2 * kTileCols;
       for (int64_t m = m0; m < m1;) {
         const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
         const int mr = int((left + blocks - 1) / blocks);
         const uint16_t* x = a.x_bf16 + m * a.k + s0;
-        const float* xsum = F == kFormatUint4 && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
+        const float* xsum = kHasZeros<F> && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
         float* c = acc + (m - m0) * kTileCols;
         for (int col = 0; col < kTileCols; col += kDotCols) {
           switch (mr) {
@@ -848,29 +932,17 @@ void gemm_tile_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, flo
 }
 
 void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  switch (a.format) {
-    case kFormatFp4: gemv_format<kFormatFp4>(a, m0, m1, n0, n1); break;
-    case kFormatInt4: gemv_format<kFormatInt4>(a, m0, m1, n0, n1); break;
-    default: gemv_format<kFormatUint4>(a, m0, m1, n0, n1); break;
-  }
+  with_format(a.format, [&]<int F>() { gemv_format<F>(a, m0, m1, n0, n1); });
 }
 
 // out[m0:m1, nb:nb+64] = x @ B for one column tile; `scratch` holds
 // gemm_scratch_floats(m1 - m0) floats.
 void gemm_tile(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  switch (a.format) {
-    case kFormatFp4: gemm_tile_format<kFormatFp4>(a, m0, m1, nb, scratch); break;
-    case kFormatInt4: gemm_tile_format<kFormatInt4>(a, m0, m1, nb, scratch); break;
-    default: gemm_tile_format<kFormatUint4>(a, m0, m1, nb, scratch); break;
-  }
+  with_format(a.format, [&]<int F>() { gemm_tile_format<F>(a, m0, m1, nb, scratch); });
 }
 
 void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
-  switch (a.format) {
-    case kFormatFp4: dequant_tile<kFormatFp4>(a, k0, k1 - k0, nb, tile); break;
-    case kFormatInt4: dequant_tile<kFormatInt4>(a, k0, k1 - k0, nb, tile); break;
-    default: dequant_tile<kFormatUint4>(a, k0, k1 - k0, nb, tile); break;
-  }
+  with_format(a.format, [&]<int F>() { dequant_tile<F>(a, k0, k1 - k0, nb, tile); });
 }
 
 // The 2:4 layout's kernels, on the pieces above.

@@ -78,7 +78,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_weight_cpu(
   const auto half = w.options().dtype(at::kHalf);
   at::Tensor packed = at::empty({padded_k / kPackFactor, n}, w.options().dtype(at::kInt));
   at::Tensor scales = at::empty({groups, n}, half);
-  at::Tensor zeros = format == WeightFormat::kUint4 ? at::empty({groups, n}, half) : at::empty({0}, half);
+  at::Tensor zeros = has_zeros(format) ? at::empty({groups, n}, half) : at::empty({0}, half);
 
   QuantizeArgs a{};
   a.weight = w.data_ptr();
@@ -94,7 +94,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_weight_cpu(
   a.rounds = rounds;
   a.packed = packed.data_ptr<int32_t>();
   a.scales = reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
-  a.zeros = format == WeightFormat::kUint4 ? reinterpret_cast<uint16_t*>(zeros.data_ptr<at::Half>()) : nullptr;
+  a.zeros = has_zeros(format) ? reinterpret_cast<uint16_t*>(zeros.data_ptr<at::Half>()) : nullptr;
 
   const QuantizeIsa isa = quantize_isa();
   const auto scratch_floats = isa == QuantizeIsa::kAvx512 ? avx512::quantize_scratch_floats

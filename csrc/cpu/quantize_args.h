@@ -3,7 +3,7 @@
 #pragma once
 #include <stdint.h>
 
-#include "cpu/kernel_args.h"  // kFormatFp4 / kFormatUint4 / kFormatInt4
+#include "cpu/kernel_args.h"  // WeightFormat, with_format
 
 namespace marlin {
 namespace cpu {

@@ -148,7 +148,7 @@ inline vf round_clamped(vf x, float lo, float hi) {
 // torch.bucketize in quantize._round_codes).
 constexpr float kE2m1Midpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 
-// The same rounding by bits for the search (quantize._round_e2m1_magnitude):
+// The same rounding by bits for the search (formats.round_e2m1_magnitude):
 // from 1 up the magnitudes are the floats with one mantissa bit, so adding just
 // under half a step and truncating rounds to nearest, ties down (above 6 it
 // reaches 8 or more and is clamped); below 1 the steps are 0.5.
@@ -201,6 +201,53 @@ inline float tree_sum(vf* e, int count) {
   for (int half = count / 2; half >= 1; half /= 2)
     for (int i = 0; i < half; ++i) e[i] = e[i] + e[i + half];
   return horizontal_sum(e[0]);
+}
+
+// --- value formats: the rounding of torch_marlin/formats.py's descriptors -----------------
+// QuantFormat<F> is declared without a body and defined per format, so a format
+// without one does not compile. Each defines, for w, a scale s and a zero z
+// (used by formats with zeros only):
+//   static vf values(vf w, vf s, vf z)  quantize._values: the nearest code's value before
+//                                       the scale (minus the zero)
+//   static vi codes(vf w, vf s, vf z)   quantize._round_codes: the nearest code
+//   kMaxValue (symmetric: the absmax maps to it) or kValueRange (with zeros: the range maps onto it)
+template <int kFormat>
+struct QuantFormat;
+
+template <int kFormat>
+constexpr bool kHasZeros = has_zeros(WeightFormat(kFormat));
+
+template <>
+struct QuantFormat<kFp4> {
+  static constexpr float kMaxValue = 6.0f;
+  static vf values(vf w, vf s, vf) {
+    const vi sign = (vi)w & splat_i(int32_t(0x80000000u));
+    const vf magnitude = e2m1_magnitude(bit_and(w, splat_i(0x7FFFFFFF)) / s);
+    return (vf)((vi)magnitude | sign);  // copysign(magnitude, w)
+  }
+  static vi codes(vf w, vf s, vf) {
+    const vi index = e2m1_index(bit_and(w, splat_i(0x7FFFFFFF)) / s);
+    return index | ((w < splat(0.0f)) & (index > splat_i(0)) & splat_i(8));
+  }
+};
+
+template <>
+struct QuantFormat<kInt4> {
+  static constexpr float kMaxValue = 7.0f;
+  static vf values(vf w, vf s, vf) { return round_clamped(w / s, -8.0f, 7.0f); }
+  static vi codes(vf w, vf s, vf z) { return __builtin_convertvector(values(w, s, z), vi) + kInt4Offset; }
+};
+
+template <>
+struct QuantFormat<kUint4> {
+  static constexpr float kValueRange = 15.0f;
+  static vf values(vf w, vf s, vf z) { return round_clamped(w / s + z, 0.0f, 15.0f) - z; }
+  static vi codes(vf w, vf s, vf z) { return __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), vi); }
+};
+
+template <int kFormat>
+inline vf code_values(vf w, vf s, vf z) {
+  return QuantFormat<kFormat>::values(w, s, z);
 }
 
 // --- one group ----------------------------------------------------------------------------
@@ -294,25 +341,10 @@ inline void prepare(G& g, float* norm2) {
     out[1] = g.w[j];
   }, sums);
   *norm2 = sums[0];
-  if constexpr (kFormat == kFormatUint4) {
+  if constexpr (kHasZeros<kFormat>) {
     g.w_mean = sums[1] / g.len;
     const vf mean = splat(g.w_mean);
     for (int j = 0; j < nv; ++j) g.wc[j] = g.w[j] - mean;
-  }
-}
-
-// quantize._values for one vector: the value of the nearest code before the
-// scale (minus the zero point for uint4).
-template <int kFormat>
-inline vf code_values(vf w, vf s, vf z) {
-  if constexpr (kFormat == kFormatFp4) {
-    const vi sign = (vi)w & splat_i(int32_t(0x80000000u));
-    const vf magnitude = e2m1_magnitude(bit_and(w, splat_i(0x7FFFFFFF)) / s);
-    return (vf)((vi)magnitude | sign);  // copysign(magnitude, w)
-  } else if constexpr (kFormat == kFormatInt4) {
-    return round_clamped(w / s, -8.0f, 7.0f);
-  } else {
-    return round_clamped(w / s + z, 0.0f, 15.0f) - z;
   }
 }
 
@@ -334,7 +366,7 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
         out[i] = d * d;
       }
     }, err);
-  } else if constexpr (kFormat != kFormatUint4) {
+  } else if constexpr (!kHasZeros<kFormat>) {
     float sums[3 * kCount];
     group_sums<3 * kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
@@ -393,12 +425,11 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
 // The candidate of clip ratio r before any refit.
 template <int kFormat, class G>
 inline Candidate clipped(const G& g, float r) {
-  if constexpr (kFormat == kFormatUint4) {
-    const float scale = fp16_round(clamp((g.hi - g.lo) * r / 15.0f, kFp16Tiny, kFp16Max));
+  if constexpr (kHasZeros<kFormat>) {
+    const float scale = fp16_round(clamp((g.hi - g.lo) * r / QuantFormat<kFormat>::kValueRange, kFp16Tiny, kFp16Max));
     return {scale, fp16_round(-g.lo * r / scale)};
   } else {
-    const float qmax = kFormat == kFormatFp4 ? 6.0f : 7.0f;
-    return {fp16_round(clamp(g.absmax * r / qmax, kFp16Tiny, kFp16Max)), 0.0f};
+    return {fp16_round(clamp(g.absmax * r / QuantFormat<kFormat>::kMaxValue, kFp16Tiny, kFp16Max)), 0.0f};
   }
 }
 
@@ -453,16 +484,7 @@ template <int kFormat, class G>
 inline void write_codes(const G& g, Candidate c, uint8_t* codes, int64_t len) {
   const vf s = splat(c.scale), z = splat(c.zero);
   for (int j = 0; j < g.vectors(); ++j) {
-    const vf w = g.w[j];
-    vi code;
-    if constexpr (kFormat == kFormatFp4) {
-      const vi index = e2m1_index(bit_and(w, splat_i(0x7FFFFFFF)) / s);
-      code = index | ((w < splat(0.0f)) & (index > splat_i(0)) & splat_i(8));
-    } else if constexpr (kFormat == kFormatInt4) {
-      code = __builtin_convertvector(round_clamped(w / s, -8.0f, 7.0f), vi) + 8;
-    } else {
-      code = __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), vi);
-    }
+    const vi code = QuantFormat<kFormat>::codes(g.w[j], s, z);
     const vb bytes = __builtin_convertvector(code, vb);
     const int64_t count = len - kLanes * j < kLanes ? len - kLanes * j : kLanes;
     if (count <= 0) break;
@@ -601,11 +623,7 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
         uint8_t* c = codes + r * a.padded_k + g * a.group_len;
         Candidate best{0.0f, 0.0f};
         float norm2 = 0.0f, err;
-        switch (a.format) {
-          case kFormatFp4: err = quantize_one<kFormatFp4>(w, a, long_scratch, c, &best, &norm2); break;
-          case kFormatInt4: err = quantize_one<kFormatInt4>(w, a, long_scratch, c, &best, &norm2); break;
-          default: err = quantize_one<kFormatUint4>(w, a, long_scratch, c, &best, &norm2); break;
-        }
+        err = with_format(a.format, [&]<int F>() { return quantize_one<F>(w, a, long_scratch, c, &best, &norm2); });
         sums.err2 += err;
         sums.norm2 += norm2;
         block_scales[r * groups + g] = fp16_bits(best.scale);

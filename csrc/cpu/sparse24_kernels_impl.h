@@ -161,7 +161,7 @@ template <class Meta, int F, int MR, int NV, bool Dot>
 inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
   // Dot uint4: q - zero is not exact in bf16, so the kept x are summed too
   // (a dot with the pair (1, 1)) and zero * that sum is subtracted per group.
-  constexpr bool KeptXSum = Dot && F == kFormatUint4;
+  constexpr bool KeptXSum = Dot && kHasZeros<F>;
   vf p[MR][NV], xs[KeptXSum ? MR : 1][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) {
@@ -204,7 +204,7 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
     vf zero[NV];
     for (int v = 0; v < NV; ++v) {
       w[v] = gemv_prepare<F, false>(load(c.w + r * c.ldw + col + kLanes * v));
-      zero[v] = F == kFormatUint4 ? load(c.zero + col + kLanes * v) : vf{};
+      zero[v] = kHasZeros<F> ? load(c.zero + col + kLanes * v) : vf{};
     }
     const float* x = c.x + kSparseValueRows * r;
 #pragma GCC unroll 8
@@ -213,7 +213,7 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
       SlotIndex idx[NV];
       for (int v = 0; v < NV; ++v) {
         b[v] = gemv_value<F, false>(w[v], s);
-        if (F == kFormatUint4) b[v] -= zero[v];  // q - zero: a pruned weight is 0, not -zero
+        if (kHasZeros<F>) b[v] -= zero[v];  // q - zero: a pruned weight is 0, not -zero
         idx[v] = slot_index((vi)((vu)meta[v] >> (4 * (s & 3) + 2 * (s >> 2))));
       }
       for (int i = 0; i < MR; ++i) {
@@ -231,7 +231,7 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
         continue;
       }
       vf sum = p[i][v];
-      if (F == kFormatFp4 && kGemvByteTable && !Dot) sum *= 0.5f;
+      if (FormatDecode<F>::kByteTable && !Dot) sum *= 0.5f;
       if (KeptXSum) sum -= load(c.zero + col + kLanes * v) * xs[i][v];
       store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
     }
@@ -250,7 +250,7 @@ constexpr int kSparseGemvVectors = MARLIN_KERNEL_AVX512 ? (MR * (KeptXSum ? 2 : 
 
 template <class Meta, int F, int MR, bool Dot>
 inline vu sparse_gemv_block(const SparseGemvChunk& c, int cols) {
-  constexpr int NV = kSparseGemvVectors<MR, Dot && F == kFormatUint4>;
+  constexpr int NV = kSparseGemvVectors<MR, Dot && kHasZeros<F>>;
   vu bad = {};
   for (int col = 0; col < cols; col += kLanes * NV) bad |= sparse_gemv_micro<Meta, F, MR, NV, Dot>(c, col);
   return bad;
@@ -302,7 +302,7 @@ vu sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, i
   const int64_t value_rows = a.k / kSparseValueRows;
   // Per strip s: acc/part [s][kMaxRows][kStrip] (a strip's rows contiguous).
   alignas(64) float acc[kPanelStrips * kMaxRows * kStrip], part[kPanelStrips * kMaxRows * kStrip];
-  alignas(64) float xpart[(Dot && F == kFormatUint4 ? kPanelStrips * kMaxRows : 1) * kStrip];
+  alignas(64) float xpart[(Dot && kHasZeros<F> ? kPanelStrips * kMaxRows : 1) * kStrip];
   alignas(64) float scale[kPanel], zero[kPanel];
   const PanelBuffers panel{scale, zero, part, acc};
   // Padded copies for tail strips and re-read weights (as the dense gemv).
@@ -337,7 +337,7 @@ vu sparse_gemv_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, i
           const int64_t nb = pb + s * kStrip;
           const int cols = int(n1 - nb < kStrip ? n1 - nb : kStrip);
           use_strip(c, panel, s);
-          c.xpart = xpart + (Dot && F == kFormatUint4 ? s * kMaxRows * kStrip : 0);
+          c.xpart = xpart + (Dot && kHasZeros<F> ? s * kMaxRows * kStrip : 0);
           if (cols == kStrip && rows <= kSparseGemvBlockRows) {  // read once: stream from the weight
             c.w = a.packed + r0 * a.n + nb;
             c.ldw = a.n;
@@ -401,7 +401,7 @@ vu sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1)
     } else {
       c.x = a.x + m0 * a.k + kSparseValueRows * r;
     }
-    if (F == kFormatUint4 && c.first)
+    if (kHasZeros<F> && c.first)
       for (int64_t nb = 0; nb < cols; nb += kStrip)
         copy_halves(zeros + nb, a.zeros + g * a.n + n0 + nb, cols - nb < kStrip ? cols - nb : kStrip, kStrip);
     const int32_t* row = a.packed + r * a.n + n0;
@@ -470,7 +470,7 @@ vu sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t 
     if (!Pairs && g != group) {  // groups span whole values words
       group = g;
       copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
-      if (F == kFormatUint4) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
+      if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
     }
     const int32_t* src = a.packed + r * a.n + nb;
     const int32_t* msrc = a.metadata + (r >> 1) * a.n + nb;
@@ -487,13 +487,13 @@ vu sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t 
       if (!(r & 1)) bad |= metadata_invalid(m);
       m = (vi)((vu)m >> (16 * (r & 1)));
       const vf s = Pairs ? vf{} : load(scale + kLanes * q);
-      const vf z = F == kFormatUint4 && !Pairs ? load(zero + kLanes * q) : vf{};
+      const vf z = kHasZeros<F> && !Pairs ? load(zero + kLanes * q) : vf{};
 #pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         vf v0 = decode_nibble<F>(w, b), v1 = decode_nibble<F>(w, b + 4);
         if (!Pairs) {
-          v0 = F == kFormatUint4 ? (v0 - z) * s : v0 * s;
-          v1 = F == kFormatUint4 ? (v1 - z) * s : v1 * s;
+          v0 = kHasZeros<F> ? (v0 - z) * s : v0 * s;
+          v1 = kHasZeros<F> ? (v1 - z) * s : v1 * s;
         }
         const vi p0 = (m >> (4 * b)) & 3, p1 = (m >> (4 * b + 2)) & 3;
         // pos0 < pos1: row 0 can only be pos0, row 3 only pos1.
@@ -525,7 +525,7 @@ template <int F>
 vu sparse_gemm_tile_impl(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
   vu bad = {};
 #if MARLIN_SPARSE24_DOT
-  if (F != kFormatUint4 && a.x_bf16) {
+  if (!kHasZeros<F> && a.x_bf16) {
     gemm_tiles_dot<F>(a, m0, m1, nb, scratch, [&](int64_t k0, int64_t rows, float* tile) {
       bad |= sparse_dequant_tile<F, true>(a, k0, rows, nb, tile);
     });
@@ -558,25 +558,14 @@ vu sparse_gemv_format(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0,
 }
 
 uint32_t sparse24_gemv(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
-  switch (a.format) {
-    case kFormatFp4: return any_lane(sparse_gemv_format<kFormatFp4>(a, m0, m1, n0, n1));
-    case kFormatInt4: return any_lane(sparse_gemv_format<kFormatInt4>(a, m0, m1, n0, n1));
-    default: return any_lane(sparse_gemv_format<kFormatUint4>(a, m0, m1, n0, n1));
-  }
+  return with_format(a.format, [&]<int F>() { return any_lane(sparse_gemv_format<F>(a, m0, m1, n0, n1)); });
 }
 
 uint32_t sparse24_gemm_tile(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  switch (a.format) {
-    case kFormatFp4: return any_lane(sparse_gemm_tile_impl<kFormatFp4>(a, m0, m1, nb, scratch));
-    case kFormatInt4: return any_lane(sparse_gemm_tile_impl<kFormatInt4>(a, m0, m1, nb, scratch));
-    default: return any_lane(sparse_gemm_tile_impl<kFormatUint4>(a, m0, m1, nb, scratch));
-  }
+  return with_format(a.format, [&]<int F>() { return any_lane(sparse_gemm_tile_impl<F>(a, m0, m1, nb, scratch)); });
 }
 
 uint32_t sparse24_dequantize_rows(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile) {
-  switch (a.format) {
-    case kFormatFp4: return any_lane(sparse_dequant_tile<kFormatFp4, false>(a, k0, k1 - k0, nb, tile));
-    case kFormatInt4: return any_lane(sparse_dequant_tile<kFormatInt4, false>(a, k0, k1 - k0, nb, tile));
-    default: return any_lane(sparse_dequant_tile<kFormatUint4, false>(a, k0, k1 - k0, nb, tile));
-  }
+  return with_format(a.format,
+                     [&]<int F>() { return any_lane(sparse_dequant_tile<F, false>(a, k0, k1 - k0, nb, tile)); });
 }

@@ -13,6 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <string>
@@ -48,13 +49,20 @@ double bf16_value(uint16_t b) {
 
 // The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero.
 double code_value(int format, int code, double zero) {
-  if (format == kFormatFp4) {
-    const int e = (code >> 1) & 3, m = code & 1;
-    const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
-    return code & 8 ? -magnitude : magnitude;
+  switch (format) {
+    case marlin::kFp4: {
+      const int e = (code >> 1) & 3, m = code & 1;
+      const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
+      return code & 8 ? -magnitude : magnitude;
+    }
+    case marlin::kInt4: return code - 8.0;
+    case marlin::kUint4: return code - zero;
   }
-  return format == kFormatInt4 ? code - 8.0 : code - zero;
+  printf("FAIL no reference decode for format %d\n", format);
+  exit(1);
 }
+
+bool format_has_zeros(int format) { return marlin::has_zeros(marlin::WeightFormat(format)); }
 
 struct Case {
   int format;
@@ -105,7 +113,7 @@ struct Problem {
     GemmArgs a{};
     a.packed = packed.data();
     a.scales = scales.data();
-    a.zeros = c.format == kFormatUint4 ? zeros.data() : nullptr;
+    a.zeros = format_has_zeros(c.format) ? zeros.data() : nullptr;
     a.m = c.m;
     a.k = c.k;
     a.n = c.n;
@@ -116,7 +124,10 @@ struct Problem {
   }
 };
 
-const char* format_name(int f) { return f == kFormatFp4 ? "fp4" : f == kFormatInt4 ? "int4" : "uint4"; }
+#define MARLIN_FORMAT_NAME(name, F, _) #name,
+const char* const kFormatNames[] = {MARLIN_FOR_EACH_FORMAT(MARLIN_FORMAT_NAME, )};
+#undef MARLIN_FORMAT_NAME
+const char* format_name(int f) { return kFormatNames[f]; }
 
 int failures = 0;
 
@@ -148,7 +159,7 @@ GemmArgs gemm_args(const Problem& p, bool bf16, std::vector<float>& xsum, std::v
   GemmArgs a = p.args();
   if (bf16) a.x_bf16 = p.x_bf16.data();
   else a.x = p.x.data();
-  if (p.c.format == kFormatUint4) {
+  if (format_has_zeros(p.c.format)) {
     for (int64_t i = 0; i < p.c.m; ++i)
       for (int64_t g = 0; g < p.groups; ++g) {
         float s = 0;
@@ -210,10 +221,10 @@ void run_dequantize(const CpuKernels& kern, const Problem& p, const std::string&
       for (int64_t r = k0; r < k1; ++r)
         for (int64_t j = nb; j < p.c.n && j < nb + kGemmBlockCols; ++j) {
           const double ref = p.w[r * p.c.n + j], got = tile[(r - k0) * kGemmBlockCols + j - nb];
-          const double bound = p.c.format == kFormatUint4 ? ldexp(fabs(ref), -23) : 0.0;
+          const double bound = format_has_zeros(p.c.format) ? ldexp(fabs(ref), -23) : 0.0;
           const double err = fabs(got - ref);
           if (!(err <= bound)) worst = err > worst ? err : worst + 1;
-          if (p.c.format == kFormatFp4 && signbit(got) != signbit(ref)) worst += 1;  // -0 stays -0
+          if (p.c.format == marlin::kFp4 && signbit(got) != signbit(ref)) worst += 1;  // -0 stays -0
         }
     }
   }
@@ -296,7 +307,7 @@ void run_sparse_dequantize(const CpuKernels& kern, const SparseProblem& sp, cons
       for (int64_t r = k0; r < k1; ++r)
         for (int64_t j = nb; j < c.n && j < nb + kGemmBlockCols; ++j) {
           const double ref = sp.w[r * c.n + j], got = tile[(r - k0) * kGemmBlockCols + j - nb];
-          const double bound = c.format == kFormatUint4 ? ldexp(fabs(ref), -23) : 0.0;
+          const double bound = format_has_zeros(c.format) ? ldexp(fabs(ref), -23) : 0.0;
           if (!(fabs(got - ref) <= bound)) worst += 1;
         }
     }
@@ -325,7 +336,7 @@ int main(int argc, char** argv) {
   // N: partial strips and vector tails; K / group: every group size, groups
   // longer than a gemv chunk or a gemm tile, and K not a multiple of the tile.
   std::vector<Case> cases;
-  for (int f : {kFormatFp4, kFormatInt4, kFormatUint4}) {
+  for (int f = 0; f < marlin::kNumWeightFormats; ++f) {
     cases.push_back({f, 1, 64, 256, 32});
     cases.push_back({f, 2, 72, 512, 256});
     cases.push_back({f, 3, 130, 256, 16});

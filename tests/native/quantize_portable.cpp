@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
   a.rounds = atoll(argv[8]);
   a.packed = packed.data();
   a.scales = scales.data();
-  a.zeros = a.format == kFormatUint4 ? zeros.data() : nullptr;
+  a.zeros = marlin::has_zeros(marlin::WeightFormat(a.format)) ? zeros.data() : nullptr;
   std::vector<float> scratch(generic::quantize_scratch_floats(a) + 16);
   float* aligned = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
   for (int64_t n0 = 0; n0 < n; n0 += kQuantizeBlockRows) {
