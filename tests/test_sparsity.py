@@ -57,6 +57,7 @@ def test_already_2to4_weight_keeps_exactly_its_pattern(weight_format):
     w = torch.randn(48, 100, generator=g) * mask
     w[0, :4] = torch.tensor([0.0, 1e-6, 0.0, 1e-6])  # tiny kept weights still win
     assert is_2to4(w) and not is_2to4(torch.randn(4, 8))
+    assert is_2to4(torch.tensor([[1.0, 1, 0, 0, 1, 1, 0]])) and not is_2to4(torch.ones(2, 7))  # a partial block
     q = quantize_sparse(w, weight_format, 32)
     assert torch.equal(q.mask(), mask)
     for quantize in (quantize_sparse, quantize_sparse_reference):

@@ -49,7 +49,9 @@ def is_2to4(weight: torch.Tensor) -> bool:
     # took 10): a 1B model's 262M-weight tied head needed 2.6 GiB.
     rows = max(1, (1 << 24) // max(1, k))
     for r0 in range(0, weight.shape[0], rows):
-        nonzero = torch.nn.functional.pad(weight[r0:r0 + rows] != 0, (0, -k % BLOCK))
+        nonzero = weight[r0:r0 + rows] != 0
+        if k % BLOCK:
+            nonzero = torch.nn.functional.pad(nonzero, (0, -k % BLOCK))
         if (nonzero.view(nonzero.shape[0], -1, BLOCK).sum(-1, dtype=torch.uint8) > 2).any():
             return False
     return True
