@@ -12,6 +12,7 @@ gives the RSS the imports alone cost. Needs the `hf` extra (transformers).
 
     python benchmarks/bench_convert.py [--repeat 3] [--format fp4] [--json out.json]
     python benchmarks/bench_convert.py --layers 2 --profile    # where the time goes (cProfile)
+    python benchmarks/bench_convert.py --sparsity 2:4          # 2:4 (magnitude pruning)
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ _CONVERT = _PEAK_RSS + """
 import json, sys, time
 start = time.perf_counter()
 from torch_marlin.convert import convert
-src, dst, fmt, group_size, quantizer, profile = sys.argv[1:7]
+src, dst, fmt, group_size, quantizer, sparsity, profile = sys.argv[1:8]
 call = lambda: convert(src, dst, weight_format=fmt, group_size=int(group_size), quantizer=quantizer,
-                       progress=False)
+                       sparsity=sparsity or None, progress=False)
 if profile == "1":
     import cProfile, pstats
     profiler = cProfile.Profile()
@@ -130,6 +131,7 @@ def main(argv=None) -> int:
     parser.add_argument("--format", default="fp4", choices=["fp4", "int4", "uint4"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--quantizer", default="mse")
+    parser.add_argument("--sparsity", choices=["2:4"], default=None, help="prune to 2:4 by magnitude")
     parser.add_argument("--repeat", type=int, default=1, help="conversions of the same checkpoint")
     parser.add_argument("--profile", action="store_true", help="cProfile the (first) conversion, to stderr")
     parser.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temp dir)")
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
         for i in range(args.repeat):
             dst = os.path.join(root, f"dst{i}")
             result, wall = run_child(_CONVERT, src, dst, args.format, str(args.group_size), args.quantizer,
-                                     "1" if args.profile and i == 0 else "0")
+                                     args.sparsity or "", "1" if args.profile and i == 0 else "0")
             result.update(wall_seconds=wall, output_bytes=directory_bytes(dst))
             runs.append(result)
             print(f"run {i + 1}: wall {wall:.1f} s (convert() {result['convert_seconds']:.1f} s), peak RSS "
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
         "wall_seconds_median": statistics.median(walls), "wall_seconds_min": min(walls),
         "wall_seconds_max": max(walls), "peak_rss_bytes_max": max(rss),
     }
-    print(f"{args.format} g{args.group_size} {args.quantizer}: wall median {report['wall_seconds_median']:.1f} s "
+    print(f"{args.format} g{args.group_size} {args.quantizer}{' 2:4' if args.sparsity else ''}: wall median {report['wall_seconds_median']:.1f} s "
           f"(min {min(walls):.1f}, max {max(walls):.1f}, {len(walls)} runs); peak RSS max {max(rss) / 2**30:.2f} GiB "
           f"(import alone {baseline['peak_rss_bytes'] / 2**30:.2f} GiB); source {source_bytes / 2**30:.2f} GiB -> "
           f"output {runs[0]['output_bytes'] / 2**20:.0f} MiB; {runs[0]['bits_per_weight']:.3f} bits per quantized "

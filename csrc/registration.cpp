@@ -106,10 +106,14 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, str weight_format, "
                "int group_size, ScalarType? dtype=None)",
                "Tensor");
-  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU).
+  // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU), dense and 2:4 (sparsity.py).
   m.def(
       "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
       "int rounds) -> (Tensor packed, Tensor scales, Tensor zeros, Tensor sums)");
+  m.def(
+      "_quantize_weight_sparse24(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "
+      "int rounds, Tensor? scores=None) -> (Tensor values, Tensor metadata, Tensor scales, Tensor zeros, "
+      "Tensor sums)");
   // Internal: which CPU kernel builds this machine runs and which one was chosen (JSON).
   m.def("_cpu_kernels() -> str");
 }

@@ -189,9 +189,15 @@ def _op(w, weight_format="fp4", group_size=32, ratios=(1.0,), rounds=1):
     return torch.ops.marlin._quantize_weight(w, weight_format, group_size, list(ratios), rounds)
 
 
+def _op24(w, weight_format="fp4", group_size=32, scores=None):
+    return torch.ops.marlin._quantize_weight_sparse24(w, weight_format, group_size, [1.0], 1, scores)
+
+
 def test_op_schema():
     torch.library.opcheck(torch.ops.marlin._quantize_weight.default, (torch.randn(4, 64), "uint4", 32, [1.0, 0.9], 2),
                           test_utils="test_schema")
+    torch.library.opcheck(torch.ops.marlin._quantize_weight_sparse24.default,
+                          (torch.randn(4, 64), "uint4", 32, [1.0, 0.9], 2, torch.rand(4, 64)), test_utils="test_schema")
 
 
 @pytest.mark.parametrize("call, message", [
@@ -208,6 +214,14 @@ def test_op_schema():
     (lambda: _op(torch.randn(40, 64).index_fill_(1, torch.tensor([9]), float("inf"))), r"NaN or Inf \(row 0\)"),
     (lambda: tm.quantize_weight(torch.randn(40, 64).bfloat16().index_fill_(0, torch.tensor([33]), float("nan"))),
      r"NaN or Inf \(row 33\)"),
+    (lambda: _op24(torch.randn(4, 64), group_size=8), "group_size"),
+    (lambda: _op24(torch.randn(4, 64), "int8"), "weight_format"),
+    (lambda: _op24(torch.randn(4, 64), scores=torch.rand(4, 60)),
+     r"scores must be a float32 CPU tensor of the weight's shape \[4, 64\]"),
+    (lambda: _op24(torch.randn(4, 64), scores=torch.rand(4, 64).double()), "scores must be a float32"),
+    (lambda: _op24(torch.randn(4, 64), scores=torch.rand(4, 64).index_fill_(1, torch.tensor([3]), float("nan"))),
+     "scores contain NaN or Inf"),
+    (lambda: _op24(torch.randn(40, 64).index_fill_(0, torch.tensor([17]), float("-inf"))), r"NaN or Inf \(row 17\)"),
 ])
 def test_op_bad_input(call, message):
     with pytest.raises(ValueError, match=message):

@@ -49,6 +49,22 @@ def test_pack_matches_per_element_reference():
     assert torch.equal(kept.long(), codes.t()[mask.t()].view(7, 48).t())
 
 
+def test_pack_by_row_blocks_equals_pack_by_column_slices():
+    """pack_kept packs blocks of kept rows (16 at a time for 2^16 columns); columns are
+    independent, so narrow slices (packed in one block) give the same words. An invalid
+    pair in a later block is named by its place in the whole weight."""
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 16
+    kept, positions = sp.compress(torch.randint(0, 16, (96, n), generator=g, dtype=torch.uint8), random_mask(96, n, g))
+    values, metadata = sp.pack_kept(kept, positions)
+    for c0 in range(0, n, 8192):
+        v, m = sp.pack_kept(kept[:, c0:c0 + 8192], positions[:, c0:c0 + 8192])
+        assert torch.equal(values[:, c0:c0 + 8192], v) and torch.equal(metadata[:, c0:c0 + 8192], m)
+    positions[2 * 21 + 1, 5] = positions[2 * 21, 5]
+    with pytest.raises(ValueError, match=r"positions of block 21 \(K rows 84..87\), column 5 .* two equal positions"):
+        sp.pack_kept(kept, positions)
+
+
 def test_every_pattern_and_every_code_in_every_slot():
     """Block b of column c has pattern (b + c) % 6: every pattern at each of the 8
     nibbles of a metadata word; kept entry 8w + s (slot s of values word w) has code

@@ -44,7 +44,7 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
                     method: str = "mse") -> QuantizedWeight:
     """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs."""
     check_float_weight(weight, weight_format, group_size, method)
-    search = _NATIVE.get(_QUANTIZERS[method])
+    search = native_search(method)
     if search is not None:
         return _quantize_native(weight, weight_format, group_size, search)
     return quantize_weight_reference(weight, weight_format, group_size, method)
@@ -113,23 +113,37 @@ def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
 
 
 # The built-in quantizers also run in C++ (torch.ops.marlin._quantize_weight,
-# csrc/cpu/quantize_impl.h) on whole weights, straight to the packed layout;
+# csrc/cpu/quantize_impl.h) on whole weights, straight to the packed layout
+# (_quantize_weight_sparse24: pruned to 2:4 first, torch_marlin/sparsity.py);
 # the Python functions below are its specification and it matches them bit for
-# bit (tests/test_quantize_native.py).
+# bit (tests/test_quantize_native.py, tests/test_sparsity.py).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, search: bool) -> QuantizedWeight:
+def native_search(method: str) -> Optional[bool]:
+    """`search` of the C++ implementation of quantizer `method`; None if it has none."""
+    return _NATIVE.get(_QUANTIZERS[method])
+
+
+def run_native(op, weight: torch.Tensor, weight_format: str, group_size: int, search: bool, *more):
+    """A C++ quantizer op (torch.ops.marlin._quantize_weight, or _quantize_weight_sparse24
+    with `more` = scores) on weight [N, K]: (its outputs but the sums, relative error)."""
     w = weight.detach()
     if w.device.type != "cpu" or w.dtype not in _NATIVE_DTYPES:
         w = w.to("cpu", w.dtype if w.dtype in _NATIVE_DTYPES else torch.float32)
     ratios, rounds = _search_space(search)
-    packed, scales, zeros, sums = torch.ops.marlin._quantize_weight(w, weight_format, group_size, ratios, rounds)
+    *outputs, sums = op(w, weight_format, group_size, ratios, rounds, *more)
+    err2, norm2 = sums.tolist()
+    return outputs, (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+
+
+def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, search: bool) -> QuantizedWeight:
+    (packed, scales, zeros), error = run_native(torch.ops.marlin._quantize_weight, weight, weight_format,
+                                                group_size, search)
     n, k = weight.shape
     q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
                         in_features=k, out_features=n)
-    err2, norm2 = sums.tolist()
-    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
+    q.relative_error = error
     return q
 
 

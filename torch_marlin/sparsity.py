@@ -18,7 +18,8 @@ import torch
 from . import formats
 from .layouts.base import layout_for_sparsity
 from .layouts.sparse24 import BLOCK, SparseQuantizedWeight, compress, padded_in_features
-from .quantize import _ROW_CHUNK_ELEMENTS, check_float_weight, quantize_groups, quantizer_names
+from .quantize import (_ROW_CHUNK_ELEMENTS, check_float_weight, native_search, quantize_groups, quantizer_names,
+                       run_native)
 
 # Pruning methods of quantize_model(..., sparsity="2:4", method=...). magnitude
 # needs no data; wanda (|w| * ||x||) and sparsegpt need calibration inputs.
@@ -43,8 +44,17 @@ def mask_2to4(scores: torch.Tensor) -> torch.Tensor:
 def is_2to4(weight: torch.Tensor) -> bool:
     """At most two nonzeros in every aligned block of 4 along K of weight [N, K]
     (K zero-padded to a multiple of 4)."""
-    nonzero = torch.nn.functional.pad(weight != 0, (0, -weight.shape[-1] % BLOCK))
-    return bool((nonzero.view(*nonzero.shape[:-1], -1, BLOCK).sum(-1) <= 2).all())
+    k = weight.shape[-1]
+    # Blocks of 16M weights, 1.5 bytes of temporaries each (the whole weight in int64
+    # took 10): a 1B model's 262M-weight tied head needed 2.6 GiB.
+    rows = max(1, (1 << 24) // max(1, k))
+    for r0 in range(0, weight.shape[0], rows):
+        nonzero = weight[r0:r0 + rows] != 0
+        if k % BLOCK:
+            nonzero = torch.nn.functional.pad(nonzero, (0, -k % BLOCK))
+        if (nonzero.view(nonzero.shape[0], -1, BLOCK).sum(-1, dtype=torch.uint8) > 2).any():
+            return False
+    return True
 
 
 def split_method(method: str, sparsity: Optional[str]) -> Tuple[Optional[str], str]:
@@ -86,7 +96,22 @@ def quantize_sparse(weight: torch.Tensor, weight_format: str = "fp4", group_size
     full block of 4 along K, at most two in a last partial one), else the two
     largest `scores` [N, K] (default |weight|: magnitude pruning). A weight
     that is already 2:4 keeps its nonzeros whatever the scores. `method` is
-    the quantizer of the kept weights (torch_marlin.quantize)."""
+    the quantizer of the kept weights (torch_marlin.quantize); "mse" and "absmax"
+    prune and quantize in C++ (torch.ops.marlin._quantize_weight_sparse24), with
+    the result of quantize_sparse_reference bit for bit."""
+    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=True)
+
+
+def quantize_sparse_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                              method: str = "mse", scores: Optional[torch.Tensor] = None,
+                              mask: Optional[torch.Tensor] = None) -> SparseQuantizedWeight:
+    """quantize_sparse in plain torch, through the registered Python quantizer: the
+    specification of its C++ path, and the path of every other quantizer."""
+    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=False)
+
+
+def _quantize_sparse(weight, weight_format: str, group_size: int, method: str, scores, mask,
+                     native: bool) -> SparseQuantizedWeight:
     check_float_weight(weight, weight_format, group_size, method)
     n, k = weight.shape
     for name, t in (("scores", scores), ("mask", mask)):
@@ -94,8 +119,20 @@ def quantize_sparse(weight: torch.Tensor, weight_format: str = "fp4", group_size
             raise ValueError(f"{name} must have the weight's shape {[n, k]}, got {formats._describe(t)}")
     if mask is not None:
         scores = _mask_scores(mask)
-    elif is_2to4(weight):
-        scores = (weight != 0).to(torch.float32)  # keep the pattern it has
+    elif scores is not None and is_2to4(weight):
+        # Keep the pattern it has: the two largest |w| of a block are its nonzeros (and
+        # then zeros, lower index first), so magnitude pruning keeps exactly that.
+        scores = None
+    search = native_search(method) if native else None
+    if search is not None:
+        if scores is not None:
+            scores = scores.detach().to("cpu", torch.float32)
+        (values, metadata, sc, z), error = run_native(torch.ops.marlin._quantize_weight_sparse24, weight,
+                                                      weight_format, group_size, search, scores)
+        q = SparseQuantizedWeight(values, metadata, sc, z if formats.has_zeros(weight_format) else None,
+                                  weight_format, group_size, in_features=k, out_features=n)
+        q.relative_error = error
+        return q
     kp = padded_in_features(k, group_size)
     kept_group = formats.effective_group_size(kp, group_size) // 2
     codes = torch.empty(n, kp // 2, dtype=torch.uint8)

@@ -23,6 +23,13 @@ struct QuantizeArgs {
   int32_t* packed;     // [padded_k / 8, n]
   uint16_t* scales;    // [groups, n] fp16 bits
   uint16_t* zeros;     // [groups, n] fp16 bits, uint4 only
+  // 2:4 (docs/FORMAT.md) when `metadata` is set: each row keeps the two largest
+  // scores of every block of 4 along K (ties to the lower index), the scores
+  // being |w| or `scores`. Its kept half is quantized in groups of group_len;
+  // `packed` receives the values [padded_k / 16, n], `metadata` the positions.
+  int32_t* metadata;     // [padded_k / 32, n], or null: dense
+  const float* scores;   // [n, k] rows `scores_stride` apart, or null: |w|
+  int64_t scores_stride;
 };
 
 struct QuantizeSums {

@@ -1,5 +1,6 @@
 // The quantizers of torch_marlin/quantize.py ("mse" search, "absmax") on raw
-// pointers, written once and compiled per ISA like kernels_impl.h:
+// pointers, dense or after 2:4 pruning (torch_marlin/sparsity.py), written once
+// and compiled per ISA like kernels_impl.h:
 // quantize_avx512.cpp, quantize_avx2.cpp and quantize_generic.cpp.
 //
 // The Python functions are the specification and this code reproduces them
@@ -9,10 +10,11 @@
 // x[i + n/2], zero-padded to a power of two). tests/test_quantize_native.py
 // checks the equality.
 //
-// A group of up to 256 weights is held in vectors of the ISA's width
-// (registers) while its ~40 candidates are tried; the rare longer groups
-// (group_size=-1) run the same code on vectors in scratch memory, with a lane
-// mask for the padding. The sum order does not depend on the vector width.
+// A group of 16 to 256 weights is held in vectors of the ISA's width
+// (registers) while its ~40 candidates are tried; the rare other groups
+// (group_size=-1, and 8: the kept half of a 2:4 group of 16) run the same code
+// on vectors in scratch memory, with a lane mask for the padding. The sum
+// order does not depend on the vector width.
 //
 // Like kernels_impl.h this includes no C++ library headers and keeps its
 // helpers in an anonymous namespace, so the ISA builds cannot mix (ODR).
@@ -270,8 +272,8 @@ struct FixedGroup {
   float len, absmax, lo, hi, w_mean;
 };
 
-// A group longer than kMaxGroup (group_size=-1): the same arrays in
-// scratch memory, padded with zeros to a power of two and masked by `valid`.
+// Any other group (is_long_group): the same arrays in scratch memory, the
+// group copied there, padded with zeros to a power of two and masked by `valid`.
 struct LongGroup {
   static constexpr bool kMasked = true;
   int nv;
@@ -283,9 +285,9 @@ struct LongGroup {
   float len, absmax, lo, hi, w_mean;
 };
 
-// Arrays of `width` floats a LongGroup uses: valid, wc, q (per candidate) and
-// the sums' first levels.
-constexpr int64_t kLongGroupArrays = 2 + kPair + kMaxSums;
+// Arrays of `width` floats a LongGroup uses: w, valid, wc, q (per candidate)
+// and the sums' first levels.
+constexpr int64_t kLongGroupArrays = 3 + kPair + kMaxSums;
 
 template <class G>
 inline vf masked(const G& g, vf p, int j) {
@@ -510,24 +512,28 @@ int64_t next_pow2(int64_t x) {
 int64_t round16(int64_t x) { return (x + 15) / 16 * 16; }
 
 // Group sizes 16..256 are held in registers; group_size=-1 (one group of any
-// length) runs in scratch memory.
+// length) and 8 run in scratch memory.
 bool is_long_group(const QuantizeArgs& a) {
   return a.group_len < 16 || a.group_len > kMaxGroup || next_pow2(a.group_len) != a.group_len;
 }
 int64_t long_group_width(const QuantizeArgs& a) { return next_pow2(a.group_len < kLanes ? kLanes : a.group_len); }
 
+// Codes per row: a 2:4 row keeps half of K.
+int64_t row_codes(const QuantizeArgs& a) { return a.metadata ? a.padded_k / 2 : a.padded_k; }
+
 // Floats of each piece of the scratch (each a multiple of 16, so 64-byte aligned).
 struct ScratchLayout {
-  int64_t row, codes, block_scales, long_group;
+  int64_t row, codes, block_scales, nibbles, long_group;
   explicit ScratchLayout(const QuantizeArgs& a) {
-    const int64_t groups = a.padded_k / a.group_len;
+    const int64_t groups = row_codes(a) / a.group_len;
     const int64_t width = is_long_group(a) ? long_group_width(a) : 0;
-    row = round16(a.padded_k > width ? a.padded_k : width);
-    codes = round16((kQuantizeBlockRows * a.padded_k + 3) / 4);
+    row = round16(a.padded_k);
+    codes = round16((kQuantizeBlockRows * row_codes(a) + 3) / 4);
     block_scales = round16((2 * kQuantizeBlockRows * groups + 1) / 2);  // scales then zeros, fp16
+    nibbles = a.metadata ? round16((kQuantizeBlockRows * a.padded_k / 4 + 3) / 4) : 0;  // 2:4 positions
     long_group = kLongGroupArrays * width;
   }
-  int64_t total() const { return row + codes + block_scales + long_group; }
+  int64_t total() const { return row + codes + block_scales + nibbles + long_group; }
 };
 
 // Row n as float32 into dst[0, width), zeros after k; false if it holds NaN or Inf.
@@ -560,6 +566,52 @@ bool load_row(const QuantizeArgs& a, int64_t n, float* dst, int64_t width) {
   return !bad;
 }
 
+// Row n of the weight, loaded into row[0, padded_k), pruned to 2:4 in place
+// (sparsity.mask_2to4): the kept weights to row[0, padded_k / 2) in K order and
+// each block's positions pos0 | pos1 << 2 to nibbles. Scores are |w|, or
+// a.scores and -1 for the padding (as quantize_sparse pads them). Returns the
+// sum of the pruned weights' squares.
+double prune_row(const QuantizeArgs& a, int64_t n, float* row, uint8_t* nibbles) {
+  const float* given = a.scores ? a.scores + n * a.scores_stride : nullptr;
+  double pruned = 0.0;
+  for (int64_t b = 0; b < a.padded_k / 4; ++b) {
+    const float* w = row + 4 * b;
+    float s[4];
+    for (int i = 0; i < 4; ++i) {
+      const int64_t col = 4 * b + i;
+      s[i] = !given ? __builtin_fabsf(w[i]) : col < a.k ? given[col] : -1.0f;
+    }
+    // Entry i is kept when fewer than two entries beat it: greater, or equal at a lower index.
+    int kept[2] = {0, 1}, count = 0;
+    for (int i = 0; i < 4 && count < 2; ++i) {
+      int beaten = 0;
+      for (int j = 0; j < 4; ++j) beaten += s[j] > s[i] || (s[j] == s[i] && j < i);
+      if (beaten < 2) kept[count++] = i;
+    }
+    const float w0 = w[kept[0]], w1 = w[kept[1]];
+    for (int i = 0; i < 4; ++i) pruned += i == kept[0] || i == kept[1] ? 0.0 : double(w[i]) * w[i];
+    row[2 * b] = w0;  // in place: 2b + 1 <= 4b + 1, this block or an earlier one, all read
+    row[2 * b + 1] = w1;
+    nibbles[b] = uint8_t(kept[0] | kept[1] << 2);
+  }
+  return pruned;
+}
+
+// Word kw of row r packs bytes[r * len + 8kw + order[j]] at bits 4j..4j+3,
+// j = 0..7, into dst[kw * n + r].
+void pack_rows(const uint8_t* bytes, int64_t len, int64_t rows, const int* order, int32_t* dst, int64_t n) {
+  for (int64_t kw = 0; kw < len / 8; ++kw) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* c = bytes + r * len + 8 * kw;
+      uint32_t word = 0;
+      for (int j = 0; j < 8; ++j) word |= uint32_t(c[order[j]]) << (4 * j);
+      dst[kw * n + r] = int32_t(word);
+    }
+  }
+}
+constexpr int kKOrder[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+constexpr int kSparseValueOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // layouts/sparse24.py VALUE_ORDER
+
 template <int kFormat, int kV>
 float quantize_fixed(const float* w, const QuantizeArgs& a, uint8_t* codes, Candidate* best, float* norm2) {
   FixedGroup<kV> g;
@@ -569,19 +621,23 @@ float quantize_fixed(const float* w, const QuantizeArgs& a, uint8_t* codes, Cand
 }
 
 template <int kFormat>
-float quantize_long(float* w, const QuantizeArgs& a, float* scratch, uint8_t* codes, Candidate* best,
+float quantize_long(const float* w, const QuantizeArgs& a, float* scratch, uint8_t* codes, Candidate* best,
                     float* norm2) {
   LongGroup g;
   const int64_t width = long_group_width(a);
   g.nv = int(width / kLanes);
   g.len = float(a.group_len);
-  g.w = reinterpret_cast<vf*>(w);
-  vi* valid = reinterpret_cast<vi*>(scratch);
+  // A copy: the row's next group (group_len 8) must read as padding, and vectors must be aligned.
+  float* group = scratch;
+  memcpy(group, w, a.group_len * sizeof(float));
+  memset(group + a.group_len, 0, (width - a.group_len) * sizeof(float));
+  g.w = reinterpret_cast<vf*>(group);
+  vi* valid = reinterpret_cast<vi*>(scratch + width);
   for (int64_t i = 0; i < width; ++i) reinterpret_cast<int32_t*>(valid)[i] = i < a.group_len ? -1 : 0;
   g.valid = valid;
-  g.wc = reinterpret_cast<vf*>(scratch + width);
-  g.q = reinterpret_cast<vf*>(scratch + 2 * width);
-  g.t = reinterpret_cast<vf*>(scratch + (2 + kPair) * width);
+  g.wc = reinterpret_cast<vf*>(scratch + 2 * width);
+  g.q = reinterpret_cast<vf*>(scratch + 3 * width);
+  g.t = reinterpret_cast<vf*>(scratch + (3 + kPair) * width);
   return quantize_group<kFormat>(g, a, codes, best, norm2);
 }
 
@@ -607,8 +663,9 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
   float* row = scratch;
   uint8_t* codes = reinterpret_cast<uint8_t*>(scratch + layout.row);
   uint16_t* block_scales = reinterpret_cast<uint16_t*>(scratch + layout.row + layout.codes);
-  float* long_scratch = scratch + layout.row + layout.codes + layout.block_scales;
-  const int64_t groups = a.padded_k / a.group_len;
+  uint8_t* nibbles = reinterpret_cast<uint8_t*>(scratch + layout.row + layout.codes + layout.block_scales);
+  float* long_scratch = scratch + layout.row + layout.codes + layout.block_scales + layout.nibbles;
+  const int64_t len = row_codes(a), groups = len / a.group_len, blocks = a.padded_k / 4;
   uint16_t* block_zeros = block_scales + kQuantizeBlockRows * groups;
   QuantizeSums sums{0.0, 0.0, -1};
   for (int64_t nb = n0; nb < n1; nb += kQuantizeBlockRows) {
@@ -618,9 +675,14 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
         sums.bad_row = nb + r;
         return sums;
       }
+      if (a.metadata) {
+        const double pruned = prune_row(a, nb + r, row, nibbles + r * blocks);
+        sums.err2 += pruned;
+        sums.norm2 += pruned;
+      }
       for (int64_t g = 0; g < groups; ++g) {
         float* w = row + g * a.group_len;
-        uint8_t* c = codes + r * a.padded_k + g * a.group_len;
+        uint8_t* c = codes + r * len + g * a.group_len;
         Candidate best{0.0f, 0.0f};
         float norm2 = 0.0f, err;
         err = with_format(a.format, [&]<int F>() { return quantize_one<F>(w, a, long_scratch, c, &best, &norm2); });
@@ -630,16 +692,10 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
         block_zeros[r * groups + g] = fp16_bits(best.zero);
       }
     }
-    // Pack: word kw of row n holds codes 8kw..8kw+7 of that row, code j at bits 4j..4j+3.
-    for (int64_t kw = 0; kw < a.padded_k / 8; ++kw) {
-      int32_t* dst = a.packed + kw * a.n + nb;
-      for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t* c = codes + r * a.padded_k + 8 * kw;
-        uint32_t word = 0;
-        for (int j = 0; j < 8; ++j) word |= uint32_t(c[j]) << (4 * j);
-        dst[r] = int32_t(word);
-      }
-    }
+    // Dense: word kw of row n holds codes 8kw..8kw+7, code j at bits 4j..4j+3. 2:4: the
+    // kept codes in the values' nibble order, and the block positions as they are.
+    pack_rows(codes, len, rows, a.metadata ? kSparseValueOrder : kKOrder, a.packed + nb, a.n);
+    if (a.metadata) pack_rows(nibbles, blocks, rows, kKOrder, a.metadata + nb, a.n);
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t r = 0; r < rows; ++r) {
         a.scales[g * a.n + nb + r] = block_scales[r * groups + g];

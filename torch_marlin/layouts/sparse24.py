@@ -70,26 +70,32 @@ def pack_kept(kept_codes: torch.Tensor, positions: torch.Tensor) -> Tuple[torch.
     if positions.shape != kept_codes.shape:
         raise ValueError(f"positions must have the shape of kept_codes {list(kept_codes.shape)}, "
                          f"got {list(positions.shape)}")
-    if positions.numel():
-        if positions.min() < 0 or positions.max() > 3:
-            bad = ((positions < 0) | (positions > 3)).nonzero()[0].tolist()
-            raise ValueError(f"positions must lie in 0..3 (a position inside a block of 4), got "
-                             f"{int(positions[bad[0], bad[1]])} at {bad}")
-        pairs = positions.reshape(-1, 2, positions.shape[1]).long()
-        order = pairs[:, 1] - pairs[:, 0]
-        if (order <= 0).any():
-            block, col = (order <= 0).nonzero()[0].tolist()
+    if positions.numel() and (positions.min() < 0 or positions.max() > 3):
+        bad = ((positions < 0) | (positions > 3)).nonzero()[0].tolist()
+        raise ValueError(f"positions must lie in 0..3 (a position inside a block of 4), got "
+                         f"{int(positions[bad[0], bad[1]])} at {bad}")
+    half_k, n = kept_codes.shape
+    values = torch.empty(half_k // 8, n, dtype=torch.int32, device=kept_codes.device)
+    metadata = torch.empty(half_k // 16, n, dtype=torch.int32, device=kept_codes.device)
+    order = torch.tensor(VALUE_ORDER, device=kept_codes.device)
+    # Blocks of whole metadata words (16 kept rows): the whole weight at once took
+    # ~10 bytes of temporaries per weight.
+    rows = max(1, (1 << 20) // max(1, 16 * n)) * 16
+    for r0 in range(0, half_k, rows):
+        pairs = positions[r0:r0 + rows].to(torch.uint8).reshape(-1, 2, n)
+        unordered = pairs[:, 1] <= pairs[:, 0]
+        if unordered.any():
+            block, col = unordered.nonzero()[0].tolist()
             p0, p1 = int(pairs[block, 0, col]), int(pairs[block, 1, col])
+            block += r0 // 2
             what = "two equal positions" if p0 == p1 else "positions out of order"
             raise ValueError(f"positions of block {block} (K rows {4 * block}..{4 * block + 3}), column {col} "
                              f"are ({p0}, {p1}): {what}; each block keeps two different positions, "
                              f"increasing")
-        nibbles = pairs[:, 0] | pairs[:, 1] << 2
-    else:
-        nibbles = positions.new_zeros(0, positions.shape[1], dtype=torch.int64)
-    order = torch.tensor(VALUE_ORDER, device=kept_codes.device)
-    words = kept_codes.reshape(-1, 8, kept_codes.shape[1]).index_select(1, order)
-    return formats.pack_codes(words.reshape(kept_codes.shape)), formats.pack_codes(nibbles)
+        metadata[r0 // 16:(r0 + rows) // 16] = formats.pack_codes(pairs[:, 0] | pairs[:, 1] << 2)
+        words = kept_codes[r0:r0 + rows].reshape(-1, 8, n).index_select(1, order)
+        values[r0 // 8:(r0 + rows) // 8] = formats.pack_codes(words.view(-1, n))
+    return values, metadata
 
 
 def pack_sparse(codes: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
