@@ -92,6 +92,11 @@ def decode_word(fmt):
         # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, w (p = 3; clang -O2 emits
         # exactly these): 8 and + 4 or + 2 iadd full rate, 5 quarter-rate shifts
         return 8 + 4 + 2, 5
+    if fmt == "nf4":
+        # marlin_table_pair, per pair: t = w >> 4p (p > 0), t & 15, (t >> 16) & 15, two reads of
+        # the 16-value table held in registers (counted as simple instructions): 8 and + 8 reads
+        # full rate, 7 quarter-rate shifts
+        return 8 + 8, 7
     # per pair: &, | 0x64006400, one half2 fma (2 fp16 instructions); w >> 8 once
     return 4 * 4, 1
 
@@ -114,8 +119,9 @@ def gemm_costs(kernel, fmt, gs, tm):
     if kernel == "fused":
         # per lane and fragment one pair (2 weights) with a lane-dependent p: fp4 a select of two
         # shifts + 5, ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub more)
+        # (nf4: two ands and two table reads, the shifts w >> 4p and t >> 16)
         simple = ((6 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0)) / 2
-        complex_ = (2 if fmt == "fp4" else 1) / 2
+        complex_ = (2 if fmt in ("fp4", "nf4") else 1) / 2
     else:
         # one word per thread and stage: constant-p decode, 8 mul (uint4: 8 sub more); the 8
         # threadgroup stores are memory instructions, not ALU

@@ -1,6 +1,6 @@
 """`torch-marlin` command line.
 
-    torch-marlin convert SRC DST --format fp4|uint4|int4 --group-size N
+    torch-marlin convert SRC DST --format FORMAT --group-size N
                  [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
                  [--sparsity 2:4] [--method gptq|sparsegpt|wanda --calibration FILE
                  [--calibration-samples N] [--calibration-length L]]

@@ -23,6 +23,16 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 
+# bitsandbytes' NF4 table (normal-distribution quantiles, QLoRA), as published in float32;
+# nf4 stores each rounded to the nearest fp16 (NF4_VALUES), which every backend holds exactly.
+NF4_BITSANDBYTES = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+NF4_VALUES = torch.tensor(NF4_BITSANDBYTES, dtype=torch.float64).half().float()
+
 
 # --- value formats ---------------------------------------------------------------------
 # A value format says what a 4-bit code means: the value of each of the 16 codes
@@ -137,6 +147,7 @@ VALUE_FORMATS = {f.name: f for f in (
     _E2M1("fp4"),
     _Integer("uint4", 0, zeros=True),
     _Integer("int4", INT4_OFFSET),
+    ValueFormat("nf4", NF4_VALUES),
 )}
 WEIGHT_FORMATS = tuple(VALUE_FORMATS)
 FORMATS_WITH_ZEROS = tuple(name for name, f in VALUE_FORMATS.items() if f.zeros)

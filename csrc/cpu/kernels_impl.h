@@ -251,6 +251,12 @@ struct FormatDecode<kUint4> {
   }
 };
 
+// nf4: bitsandbytes' NF4 table in fp16 (kNf4Values); no bit trick, the table decode.
+template <>
+struct FormatDecode<kNf4> : TableDecode<FormatDecode<kNf4>> {
+  static constexpr float value(int code) { return kNf4Values[code]; }
+};
+
 // Prepares a loaded word vector for decode_nibble.
 template <int F>
 inline vi prepare_words(vi w) {
@@ -298,9 +304,20 @@ inline vf decode_bf16_pairs(vi w, int64_t select) {
 }
 #endif
 
-// Pair p (0..3) of each prepared word.
+// Whether code_value<F> of every code is exact in bf16 (its low 16 bits are 0).
+template <int F>
+constexpr bool values_fit_bf16() {
+  for (int i = 0; i < 16; ++i)
+    if (__builtin_bit_cast(uint32_t, code_value<F>(i)) & 0xFFFFu) return false;
+  return true;
+}
+
+// Pair p (0..3) of each prepared word. The ops give bf16 x only to formats
+// with values_exact_in_bf16 (metal/marlin_common.h), which this checks.
 template <int F>
 inline vf decode_pair(vi w, int p) {
+  static_assert(!values_exact_in_bf16(WeightFormat(F)) || values_fit_bf16<F>(),
+                "values_exact_in_bf16 claims bf16-exact values that are not");
 #if MARLIN_KERNEL_AVX512
   // Nibbles 2p, 2p + 1: word bits 8p.. and 8p + 4...
   return decode_bf16_pairs<F>(w, 0x2424202004040000ll + 0x0808080808080808ll * p);

@@ -245,6 +245,37 @@ struct QuantFormat<kUint4> {
   static vi codes(vf w, vf s, vf z) { return __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), vi); }
 };
 
+// A format given by its 16 values, ascending by code (kValues): the nearest value
+// by counting the midpoints below x = w / s, ties to the smaller value as the
+// descriptor's bucketize. Each partial sum of the steps is a table value, so
+// the value is exact.
+template <const float* kValues>
+struct TableQuant {
+  static constexpr bool ascending() {
+    for (int i = 1; i < 16; ++i)
+      if (!(kValues[i - 1] < kValues[i])) return false;
+    return true;
+  }
+  static_assert(ascending(), "a table format's values ascend with the code");
+  static constexpr float kMaxValue = kValues[15];
+  static constexpr float midpoint(int i) { return (kValues[i - 1] + kValues[i]) / 2; }
+  static vf values(vf w, vf s, vf) {
+    const vf x = w / s;
+    vf v = splat(kValues[0]);
+    for (int i = 1; i < 16; ++i) v = v + bit_and(splat(kValues[i] - kValues[i - 1]), x > splat(midpoint(i)));
+    return v;
+  }
+  static vi codes(vf w, vf s, vf) {
+    const vf x = w / s;
+    vi code = splat_i(0);
+    for (int i = 1; i < 16; ++i) code = code - (x > splat(midpoint(i)));  // a true compare is -1
+    return code;
+  }
+};
+
+template <>
+struct QuantFormat<kNf4> : TableQuant<kNf4Values> {};
+
 template <int kFormat>
 inline vf code_values(vf w, vf s, vf z) {
   return QuantFormat<kFormat>::values(w, s, z);

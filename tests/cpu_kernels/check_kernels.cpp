@@ -47,7 +47,8 @@ double bf16_value(uint16_t b) {
   return f;
 }
 
-// The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero.
+// The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero,
+// nf4 its table value.
 double code_value(int format, int code, double zero) {
   switch (format) {
     case marlin::kFp4: {
@@ -57,6 +58,12 @@ double code_value(int format, int code, double zero) {
     }
     case marlin::kInt4: return code - 8.0;
     case marlin::kUint4: return code - zero;
+    case marlin::kNf4: {
+      // bitsandbytes' NF4 values rounded to fp16, as fp16 bits (docs/FORMAT.md).
+      const uint16_t nf4[16] = {0xbc00, 0xb992, 0xb833, 0xb652, 0xb48d, 0xb1ea, 0xadd4, 0x0000,
+                                0x2d18, 0x3126, 0x33e0, 0x3568, 0x370d, 0x3880, 0x39c9, 0x3c00};
+      return half_value(nf4[code]);
+    }
   }
   printf("FAIL no reference decode for format %d\n", format);
   exit(1);
