@@ -124,7 +124,7 @@ def _args(**over):
     (dict(x=torch.randn(2, 63)), r"x.size\(-1\) must equal K = 8 \* packed.size\(0\) = 64"),
     (dict(x=torch.randn(2, 64).half(), bias=torch.randn(8)), "bias must have x's dtype"),
     (dict(bias=torch.randn(9)), r"bias must have shape \[N\] = \[8\]"),
-    (dict(weight_format="nf4"), "weight_format must be one of"),
+    (dict(weight_format="nf3"), "weight_format must be one of"),
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=128), "must be a multiple of group_size = 128"),
     (dict(packed=torch.zeros(8, 8, dtype=torch.int64)), "packed must be int32"),

@@ -253,7 +253,7 @@ def _args(**over):
     (dict(x=torch.randn(2, 64, dtype=torch.float64)), "x must be float16, bfloat16 or float32"),
     (dict(x=torch.randn(2, 63)), r"x.size\(-1\) must equal K = 16 \* values.size\(0\) = 64"),
     (dict(bias=torch.randn(9)), r"bias must have shape \[N\] = \[8\]"),
-    (dict(weight_format="nf4"), "weight_format must be one of"),
+    (dict(weight_format="nf3"), "weight_format must be one of"),
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=128), "must be a multiple of group_size = 128"),
     (dict(values=torch.zeros(4, 8, dtype=torch.int64)), "values must be int32"),
