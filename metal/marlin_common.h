@@ -18,7 +18,7 @@ namespace marlin {
 
 // Value formats. The numbers are persisted (MarlinLinear's _extra_state,
 // torch_marlin/formats.py WEIGHT_FORMATS is in this order): append only.
-enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2, kNf4 = 3 };
+enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2, kNf4 = 3, kAffine = 4 };
 
 // X(name, enumerator, ...): every value format once. Kernel instantiations
 // (metal/*.metal) and the names the host builds kernel names from
@@ -27,12 +27,16 @@ enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2, kNf4 = 3 };
   X(fp4, kFp4, __VA_ARGS__)            \
   X(uint4, kUint4, __VA_ARGS__)        \
   X(int4, kInt4, __VA_ARGS__)          \
-  X(nf4, kNf4, __VA_ARGS__)
+  X(nf4, kNf4, __VA_ARGS__)            \
+  X(affine, kAffine, __VA_ARGS__)
 
-MARLIN_CONSTEXPR int kNumWeightFormats = 4;
+MARLIN_CONSTEXPR int kNumWeightFormats = 5;
 
-// Formats with a zero point per group (`zeros`) besides the scale.
-inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4; }
+// Formats with a second fp16 tensor per group (`zeros`) besides the scale. It is a
+// zero point subtracted before the scale, w = (q - zero) * scale (uint4), or,
+// for zeros_are_bias formats, a bias added after it, w = q * scale + bias (affine).
+inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4 || f == kAffine; }
+inline constexpr bool zeros_are_bias(WeightFormat f) { return f == kAffine; }
 
 // Whether every code value (before the scale) is exact in bf16, so that bf16
 // activations may take the CPU's bf16 pair-dot kernels (csrc/cpu/kernels_impl.h

@@ -10,6 +10,7 @@
 //         2^14 is folded into the group's fp32 scale)
 //   int4  raw = q - 8
 //   uint4 raw = q (the zero point is applied per group, see MarlinParams)
+//   affine raw = q (the bias likewise)
 //   nf4   raw = the code's table value (marlin_table_pair)
 // The pair (p, p + 4) is what one shift-and-mask puts into the two 16-bit
 // halves of a word. Kernels reading two *adjacent* K values per lane (the
@@ -90,6 +91,14 @@ struct MarlinFormat<kUint4> {
   static V scale(V s) { return s; }
 };
 
+// affine: raw = q like uint4; the bias is added after the scale (marlin_dequant_pair).
+template <>
+struct MarlinFormat<kAffine> {
+  static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, 0.0h); }
+  template <typename V>
+  static V scale(V s) { return s; }
+};
+
 template <>
 struct MarlinFormat<kInt4> {
   static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, half(kInt4Offset)); }
@@ -127,10 +136,11 @@ inline half2 marlin_raw_pair(uint w, uint p) {
   return MarlinFormat<F>::raw_pair(w, p);
 }
 
-// Per (group, column) constants: dequantized weight = (raw - zero) * scale.
+// Per (group, column) constants: dequantized weight = (raw - zero) * scale, or
+// raw * scale + zero for a format whose zeros are a bias (zeros_are_bias: affine).
 struct MarlinParams {
   float scale;  // MarlinFormat<F>::scale of the stored scale (fp4: scale * kMarlinFp4ScaleFold)
-  float zero;   // uint4 only
+  float zero;   // formats with zeros only: the zero point or the bias
 };
 
 template <WeightFormat F>
@@ -153,6 +163,17 @@ inline MarlinParams marlin_load_params(const device half* scales, const device h
 template <WeightFormat F>
 inline float2 marlin_dequant_pair(uint w, uint p, MarlinParams params) {
   const float2 raw = float2(marlin_raw_pair<F>(w, p));
+  if (zeros_are_bias(F)) return fma(raw, float2(params.scale), float2(params.zero));
   if (has_zeros(F)) return (raw - params.zero) * params.scale;
   return raw * params.scale;
+}
+
+// acc plus a group's share of a dot product from sum = sum of raw * x and xsum =
+// sum of x over the group's rows (formats with zeros): scale * (sum - zero * xsum),
+// or scale * sum + bias * xsum; two fmas either way.
+template <WeightFormat F>
+inline float marlin_group_dot(float acc, float sum, float xsum, float scale, float zero) {
+  if (zeros_are_bias(F)) return fma(scale, sum, fma(zero, xsum, acc));
+  if (has_zeros(F)) sum = fma(-zero, xsum, sum);
+  return fma(scale, sum, acc);
 }

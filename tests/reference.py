@@ -39,6 +39,8 @@ def weight_one_by_one(code: int, scale: float, zero, weight_format: str) -> floa
         return (code - 8) * scale
     if weight_format == "uint4":
         return (code - zero) * scale
+    if weight_format == "affine":
+        return code * scale + zero  # `zero` is the group's bias
     if weight_format == "nf4":
         return fp16_nearest(NF4_BITSANDBYTES[code]) * scale
     raise AssertionError(f"tests/reference.py has no decode for weight_format={weight_format!r}")

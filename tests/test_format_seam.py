@@ -14,7 +14,7 @@ from torch_marlin.testing import mslsim
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")
-ENUMERATOR = re.compile(r"\bk(Fp4|Uint4|Int4|Nf4)\b")
+ENUMERATOR = re.compile(r"\bk(Fp4|Uint4|Int4|Nf4|Affine)\b")
 
 
 def _copy(tmp_path: Path, add_format: bool) -> Path:

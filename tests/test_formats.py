@@ -51,7 +51,7 @@ def test_dequantize_reference_matches_per_element(weight_format, group_size):
     groups = 1 if group_size == -1 else k // group_size
     codes = torch.randint(0, 16, (k, n))
     scales = (torch.rand(groups, n) + 0.1).half()
-    zeros = (torch.rand(groups, n) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(groups, n) * 15).half() if formats.has_zeros(weight_format) else None
     packed = tm.pack_codes(codes)
     got = tm.dequantize_reference(packed, scales, zeros, weight_format, group_size, torch.float64)
     expected = dequantize_one_by_one(packed.tolist(), scales.double().tolist(),

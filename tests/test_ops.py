@@ -21,7 +21,7 @@ def random_weight(k, n, weight_format, group_size):
     groups = 1 if group_size == -1 else k // group_size
     codes = torch.randint(0, 16, (k, n))
     scales = (torch.rand(groups, n) * 0.02 + 0.001).half()
-    zeros = (torch.rand(groups, n) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(groups, n) * 15).half() if formats.has_zeros(weight_format) else None
     return tm.pack_codes(codes), scales, zeros
 
 

@@ -29,7 +29,7 @@ def random_sparse(k, n, weight_format, group_size, generator=None):
     mask = random_mask(k, n, generator)
     groups = 1 if group_size == -1 else k // group_size
     scales = (torch.rand(groups, n, generator=generator) * 0.02 + 0.001).half()
-    zeros = (torch.rand(groups, n, generator=generator) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(groups, n, generator=generator) * 15).half() if formats.has_zeros(weight_format) else None
     values, metadata = sp.pack_sparse(codes, mask)
     return values, metadata, scales, zeros
 
@@ -71,7 +71,7 @@ def test_every_pattern_and_every_code_in_every_slot():
     assert torch.equal(sp.unpack_kept(values, metadata)[1], positions.to(torch.uint8))
     for weight_format in formats.WEIGHT_FORMATS:
         scales = torch.rand(1, n).half() + 0.5
-        zeros = (torch.rand(1, n) * 15).half() if weight_format == "uint4" else None
+        zeros = (torch.rand(1, n) * 15).half() if formats.has_zeros(weight_format) else None
         got = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, weight_format, -1, torch.float32)
         ref = torch.tensor(dequantize_sparse_one_by_one(values.tolist(), metadata.tolist(), scales.float().tolist(),
                                                         None if zeros is None else zeros.float().tolist(),

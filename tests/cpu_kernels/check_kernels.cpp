@@ -47,10 +47,11 @@ double bf16_value(uint16_t b) {
   return f;
 }
 
-// The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero,
-// nf4 its table value.
+// The value of a code before the scale: E2M1 from its bit fields, int4 q - 8, uint4 q - zero,
+// nf4 its table value, affine q (its bias is added after the scale: weight_value).
 double code_value(int format, int code, double zero) {
   switch (format) {
+    case marlin::kAffine: return code;
     case marlin::kFp4: {
       const int e = (code >> 1) & 3, m = code & 1;
       const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
@@ -67,6 +68,12 @@ double code_value(int format, int code, double zero) {
   }
   printf("FAIL no reference decode for format %d\n", format);
   exit(1);
+}
+
+// The weight of a code with its group's scale and zero (for affine the bias).
+double weight_value(int format, int code, double scale, double zero) {
+  const double v = code_value(format, code, zero) * scale;
+  return marlin::zeros_are_bias(marlin::WeightFormat(format)) ? v + zero : v;
 }
 
 bool bf16_exact(int format) { return marlin::values_exact_in_bf16(marlin::WeightFormat(format)); }
@@ -113,7 +120,7 @@ struct Problem {
       for (int64_t j = 0; j < c.n; ++j) {
         const int64_t g = r / group_rows;
         const int code = int((uint32_t(packed[r / 8 * c.n + j]) >> (4 * (r % 8))) & 15);
-        w[r * c.n + j] = code_value(c.format, code, half_value(zeros[g * c.n + j])) * half_value(scales[g * c.n + j]);
+        w[r * c.n + j] = weight_value(c.format, code, half_value(scales[g * c.n + j]), half_value(zeros[g * c.n + j]));
       }
     }
   }
@@ -266,7 +273,7 @@ struct SparseProblem {
           const int code = int(next_u32() & 15);
           values[r * c.n + j] |= int32_t(uint32_t(code) << (4 * (b + 4 * slot)));
           const int64_t row = 4 * blk + pat[slot], g = row / d.group_rows;
-          w[row * c.n + j] = code_value(c.format, code, half_value(d.zeros[g * c.n + j])) * half_value(d.scales[g * c.n + j]);
+          w[row * c.n + j] = weight_value(c.format, code, half_value(d.scales[g * c.n + j]), half_value(d.zeros[g * c.n + j]));
         }
       }
     }
