@@ -35,7 +35,7 @@ import time
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.formats import WEIGHT_FORMATS
+from torch_marlin.formats import WEIGHT_FORMATS, has_zeros
 from torch_marlin.testing.metal import metal_plan
 
 SHAPES = {  # name: (N, K) of W^T = B [K, N]
@@ -81,7 +81,7 @@ def _chip_rates(chip):
 
 def param_bytes(fmt, gs):
     """DRAM bytes of scales (and zeros) per weight."""
-    return 0.0 if gs == -1 else 2.0 * (2 if fmt == "uint4" else 1) / gs
+    return 0.0 if gs == -1 else 2.0 * (2 if has_zeros(fmt) else 1) / gs
 
 
 def decode_word(fmt):
@@ -92,6 +92,11 @@ def decode_word(fmt):
         # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, w (p = 3; clang -O2 emits
         # exactly these): 8 and + 4 or + 2 iadd full rate, 5 quarter-rate shifts
         return 8 + 4 + 2, 5
+    if fmt == "nf4":
+        # marlin_table_pair, per pair: t = w >> 4p (p > 0), t & 15, (t >> 16) & 15, two reads of
+        # the 16-value table held in registers (counted as simple instructions): 8 and + 8 reads
+        # full rate, 7 quarter-rate shifts
+        return 8 + 8, 7
     # per pair: &, | 0x64006400, one half2 fma (2 fp16 instructions); w >> 8 once
     return 4 * 4, 1
 
@@ -100,9 +105,9 @@ def gemv_costs(fmt, gs, m, dtype="f16"):
     """marlin_gemv: (simple, complex, DRAM bytes) per weight for M = m rows."""
     simple, complex_ = decode_word(fmt)
     run = 2 if gs == 16 else 4  # rows summed raw before the group's scale is applied
-    flush = (2 if fmt == "uint4" else 1) / run  # fma (uint4: zero term too) per word and row
+    flush = (2 if has_zeros(fmt) else 1) / run  # fma (uint4, affine: zero or bias term too) per word and row
     scale_fold = 1.0 / run if fmt == "fp4" else 0.0  # scale * 2^14, per column and run
-    xsum = 2.0 if fmt == "uint4" else 0.0  # 8 adds per row and word, shared by the lane's 4 columns
+    xsum = 2.0 if has_zeros(fmt) else 0.0  # 8 adds per row and word, shared by the lane's 4 columns
     per_row = 8 + flush + xsum
     cvt = 2.0 if dtype == "bf16" else 0.0  # 8 bf16 -> fp32 per row and word, shared by 4 columns
     words = simple + scale_fold + m * per_row
@@ -113,11 +118,12 @@ def gemm_costs(kernel, fmt, gs, tm):
     """Fused / tiled GEMM: (simple, complex, MMA lane-FMAs, bytes) per weight and M tile of tm rows."""
     if kernel == "fused":
         # per lane and fragment one pair (2 weights) with a lane-dependent p: fp4 a select of two
-        # shifts + 5, ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub more)
+        # shifts + 5, ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub more; affine: 2 fma instead)
+        # (nf4: two ands and two table reads, the shifts w >> 4p and t >> 16)
         simple = ((6 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0)) / 2
-        complex_ = (2 if fmt == "fp4" else 1) / 2
+        complex_ = (2 if fmt in ("fp4", "nf4") else 1) / 2
     else:
-        # one word per thread and stage: constant-p decode, 8 mul (uint4: 8 sub more); the 8
+        # one word per thread and stage: constant-p decode, 8 mul (uint4: 8 sub more; affine: 8 fma instead); the 8
         # threadgroup stores are memory instructions, not ALU
         s, c = decode_word(fmt)
         simple, complex_ = (s + 8 + (8 if fmt == "uint4" else 0)) / 8, c / 8
@@ -212,7 +218,7 @@ def report_banks():
 
 def ideal_bytes(m, n, k, groups, fmt, t, sparse=False):
     codes = k // 16 * n * 4 + k // 32 * n * 4 if sparse else k // 8 * n * 4  # 2:4: values + metadata
-    weights = codes + groups * n * 2 * (2 if fmt == "uint4" else 1)
+    weights = codes + groups * n * 2 * (2 if has_zeros(fmt) else 1)
     return weights + m * k * t + m * n * t
 
 
@@ -220,8 +226,8 @@ def plan_bytes(plan, fmt):
     """Device bytes requested by the plan's launches, counting every threadgroup's loads."""
     m, n, k, t = plan["M"], plan["N"], plan["K"], DTYPE_SIZE[plan["dtype"]]
     groups = k // plan["group_rows"]
-    params = groups * n * 2 * (2 if fmt == "uint4" else 1)  # scales (+ zeros), fp16
-    sz = 2 if fmt == "uint4" else 1  # fp16 params per (group, column)
+    params = groups * n * 2 * (2 if has_zeros(fmt) else 1)  # scales (+ zeros), fp16
+    sz = 2 if has_zeros(fmt) else 1  # fp16 params per (group, column)
     sparse_codes = k // 16 * n * 4 + k // 32 * n * 4  # 2:4 values + metadata
     out = m * n * (4 if plan["splits"] > 1 else t)  # fp32 partial tiles with a K split
     total = 0
@@ -281,7 +287,7 @@ def meta_inputs(m, n, k, fmt, gs, dtype, device="meta"):
     groups = 1 if gs == -1 else k // gs
     packed = torch.empty(k // 8, n, dtype=torch.int32, device=device)
     scales = torch.empty(groups, n, dtype=torch.float16, device=device)
-    zeros = torch.empty(groups, n, dtype=torch.float16, device=device) if fmt == "uint4" else None
+    zeros = torch.empty(groups, n, dtype=torch.float16, device=device) if has_zeros(fmt) else None
     x = torch.empty(m, k, dtype=dtype, device=device)
     return x, packed, scales, zeros
 
@@ -374,7 +380,7 @@ def bench_device(fmt, gs, peak_gbs, cache_bytes=256 << 20):
         for _ in range(copies):
             packed = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
             scales = torch.rand(groups, n, dtype=torch.float16, device=dev)
-            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if fmt == "uint4" else None
+            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if has_zeros(fmt) else None
             ws.append((packed, scales, zeros))
         dense = [torch.randn(n, k, dtype=torch.float16, device=dev) for _ in range(max(2, copies // 4))]
         for m in M_VALUES:
@@ -414,7 +420,7 @@ def bench_sparse_device(fmt, gs, cache_bytes=256 << 20):
         dense_w, sparse_w = [], []
         for _ in range(copies):
             scales = torch.rand(groups, n, dtype=torch.float16, device=dev)
-            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if fmt == "uint4" else None
+            zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if has_zeros(fmt) else None
             dense_w.append((torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev), scales,
                             zeros))
             # metadata of valid patterns only: every nibble (0, 1) = 0x4

@@ -18,7 +18,7 @@ namespace marlin {
 
 // Value formats. The numbers are persisted (MarlinLinear's _extra_state,
 // torch_marlin/formats.py WEIGHT_FORMATS is in this order): append only.
-enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2 };
+enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2, kNf4 = 3, kAffine = 4 };
 
 // X(name, enumerator, ...): every value format once. Kernel instantiations
 // (metal/*.metal) and the names the host builds kernel names from
@@ -26,12 +26,31 @@ enum WeightFormat : int { kFp4 = 0, kUint4 = 1, kInt4 = 2 };
 #define MARLIN_FOR_EACH_FORMAT(X, ...) \
   X(fp4, kFp4, __VA_ARGS__)            \
   X(uint4, kUint4, __VA_ARGS__)        \
-  X(int4, kInt4, __VA_ARGS__)
+  X(int4, kInt4, __VA_ARGS__)          \
+  X(nf4, kNf4, __VA_ARGS__)            \
+  X(affine, kAffine, __VA_ARGS__)
 
-MARLIN_CONSTEXPR int kNumWeightFormats = 3;
+MARLIN_CONSTEXPR int kNumWeightFormats = 5;
 
-// Formats with a zero point per group (`zeros`) besides the scale.
-inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4; }
+// Formats with a second fp16 tensor per group (`zeros`) besides the scale. It is a
+// zero point subtracted before the scale, w = (q - zero) * scale (uint4), or,
+// for zeros_are_bias formats, a bias added after it, w = q * scale + bias (affine).
+inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4 || f == kAffine; }
+inline constexpr bool zeros_are_bias(WeightFormat f) { return f == kAffine; }
+
+// Whether every code value (before the scale) is exact in bf16, so that bf16
+// activations may take the CPU's bf16 pair-dot kernels (csrc/cpu/kernels_impl.h
+// checks the claim). nf4's values have up to 11 significant bits: its bf16
+// activations take the fp32 path.
+inline constexpr bool values_exact_in_bf16(WeightFormat f) { return f != kNf4; }
+
+// nf4: bitsandbytes' NF4 table (normal-distribution quantiles), each value
+// rounded to the nearest fp16 (docs/FORMAT.md), so that every decode (fp32 on
+// the CPU, half on Metal) holds it exactly. Indexed by code, ascending.
+MARLIN_CONSTEXPR float kNf4Values[16] = {
+    -1.0f,          -0.6962890625f,  -0.52490234375f, -0.39501953125f, -0.284423828125f, -0.184814453125f,
+    -0.091064453125f, 0.0f,          0.07958984375f,  0.160888671875f, 0.24609375f,      0.337890625f,
+    0.440673828125f, 0.5625f,        0.72314453125f,  1.0f};
 
 #if !defined(__METAL_VERSION__)
 // The C++ kernels' run-time dispatch on a format: calls

@@ -1,7 +1,8 @@
 // Shared by every torch_marlin Metal kernel: the function constants and the
 // bitwise 4-bit decode of the packing of docs/FORMAT.md (int32 [K/8, N],
 // nibble j of word [r, n] = code of B[8r + j, n], least significant nibble
-// first). No lookup tables, no integer division.
+// first). No integer division, and no lookup table in memory (table formats
+// index 16 constants held in registers).
 //
 // marlin_raw_pair<F>(w, p) decodes nibbles p and p + 4 of a word (p = 0..3)
 // into a half2 `raw`, exactly:
@@ -9,6 +10,8 @@
 //         2^14 is folded into the group's fp32 scale)
 //   int4  raw = q - 8
 //   uint4 raw = q (the zero point is applied per group, see MarlinParams)
+//   affine raw = q (the bias likewise)
+//   nf4   raw = the code's table value (marlin_table_pair)
 // The pair (p, p + 4) is what one shift-and-mask puts into the two 16-bit
 // halves of a word. Kernels reading two *adjacent* K values per lane (the
 // simdgroup_matrix fragments) permute K inside each 8-row block to match
@@ -88,9 +91,42 @@ struct MarlinFormat<kUint4> {
   static V scale(V s) { return s; }
 };
 
+// affine: raw = q like uint4; the bias is added after the scale (marlin_dequant_pair).
+template <>
+struct MarlinFormat<kAffine> {
+  static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, 0.0h); }
+  template <typename V>
+  static V scale(V s) { return s; }
+};
+
 template <>
 struct MarlinFormat<kInt4> {
   static half2 raw_pair(uint w, uint p) { return marlin_int_pair(w, p, half(kInt4Offset)); }
+  template <typename V>
+  static V scale(V s) { return s; }
+};
+
+// The general table decode: nibbles p, p + 4 of w looked up in the format's 16
+// values (exact in half). The values are a private array of constants, not a
+// `constant` buffer: loop-invariant, so the compiler materializes them once per
+// thread (8 32-bit registers) and each code costs an indexed register read, no
+// memory access. Per pair: the two indices (one shift and two ands, p = 0 no
+// shift; docs/KERNELS.md counts them).
+inline half2 marlin_table_pair(uint w, uint p, thread const half* values) {
+  const uint t = w >> (4 * p);
+  return half2(values[t & 15u], values[(t >> 16) & 15u]);
+}
+
+#define MARLIN_HALF_TABLE(v)                                                                            \
+  {half(v[0]), half(v[1]), half(v[2]),  half(v[3]),  half(v[4]),  half(v[5]),  half(v[6]),  half(v[7]), \
+   half(v[8]), half(v[9]), half(v[10]), half(v[11]), half(v[12]), half(v[13]), half(v[14]), half(v[15])}
+
+template <>
+struct MarlinFormat<kNf4> {
+  static half2 raw_pair(uint w, uint p) {
+    const half values[16] = MARLIN_HALF_TABLE(kNf4Values);
+    return marlin_table_pair(w, p, values);
+  }
   template <typename V>
   static V scale(V s) { return s; }
 };
@@ -100,10 +136,11 @@ inline half2 marlin_raw_pair(uint w, uint p) {
   return MarlinFormat<F>::raw_pair(w, p);
 }
 
-// Per (group, column) constants: dequantized weight = (raw - zero) * scale.
+// Per (group, column) constants: dequantized weight = (raw - zero) * scale, or
+// raw * scale + zero for a format whose zeros are a bias (zeros_are_bias: affine).
 struct MarlinParams {
   float scale;  // MarlinFormat<F>::scale of the stored scale (fp4: scale * kMarlinFp4ScaleFold)
-  float zero;   // uint4 only
+  float zero;   // formats with zeros only: the zero point or the bias
 };
 
 template <WeightFormat F>
@@ -126,6 +163,17 @@ inline MarlinParams marlin_load_params(const device half* scales, const device h
 template <WeightFormat F>
 inline float2 marlin_dequant_pair(uint w, uint p, MarlinParams params) {
   const float2 raw = float2(marlin_raw_pair<F>(w, p));
+  if (zeros_are_bias(F)) return fma(raw, float2(params.scale), float2(params.zero));
   if (has_zeros(F)) return (raw - params.zero) * params.scale;
   return raw * params.scale;
+}
+
+// acc plus a group's share of a dot product from sum = sum of raw * x and xsum =
+// sum of x over the group's rows (formats with zeros): scale * (sum - zero * xsum),
+// or scale * sum + bias * xsum; two fmas either way.
+template <WeightFormat F>
+inline float marlin_group_dot(float acc, float sum, float xsum, float scale, float zero) {
+  if (zeros_are_bias(F)) return fma(scale, sum, fma(zero, xsum, acc));
+  if (has_zeros(F)) sum = fma(-zero, xsum, sum);
+  return fma(scale, sum, acc);
 }

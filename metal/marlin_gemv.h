@@ -15,8 +15,9 @@
 // masks, ors, one shift and one half op per pair, no conversion instruction:
 // the half operands of the fp32 fmas are free), multiplied with x in fp32 and
 // summed *raw* over the lane's run of rows in one group; the group's scale
-// (and zero point: uint4 sums q * x and x separately and applies
-// scale * (sum q x - zero * sum x)) is applied once per run. All work is
+// (and zero point or bias: uint4 and affine sum q * x and x separately and
+// apply scale * (sum q x - zero * sum x), or scale * sum q x + bias * sum x:
+// marlin_group_dot) is applied once per run. All work is
 // bounded by M: the row loops run to marlin_rows, which the plan sets to M.
 //
 // Reduction. The 4 kl lanes of a column are summed with simd_shuffle_xor, the
@@ -134,8 +135,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
         for (uint m = 0; m < R; ++m) {
           if (m >= rows) break;
           for (uint c = 0; c < 4; ++c) {
-            const float v = has_zeros(F) ? fma(-z[c], xsum[m], raw[m][c]) : raw[m][c];
-            acc[m][c] = fma(s[c], v, acc[m][c]);
+            acc[m][c] = marlin_group_dot<F>(acc[m][c], raw[m][c], xsum[m], s[c], z[c]);
             raw[m][c] = 0.0f;
           }
           xsum[m] = 0.0f;
@@ -149,7 +149,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
     for (uint m = 0; m < R; ++m) {
       if (m >= rows) break;
       for (uint c = 0; c < 4; ++c)
-        acc[m][c] = s[c] * (has_zeros(F) ? fma(-z[c], xsum[m], raw[m][c]) : raw[m][c]);
+        acc[m][c] = marlin_group_dot<F>(0.0f, raw[m][c], xsum[m], s[c], z[c]);
     }
   }
 

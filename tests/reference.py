@@ -2,6 +2,7 @@
 using torch_marlin's packers: plain Python loops over single elements."""
 
 import math
+import struct
 
 E2M1 = {0: 0.0, 1: 0.5, 2: 1.0, 3: 1.5, 4: 2.0, 5: 3.0, 6: 4.0, 7: 6.0}
 
@@ -14,6 +15,20 @@ def e2m1_value(code: int) -> float:
     return math.copysign(magnitude, sign)
 
 
+def fp16_nearest(x: float) -> float:
+    """x rounded to the nearest fp16 (ties to even), by struct's half packing."""
+    return struct.unpack("<e", struct.pack("<e", x))[0]
+
+
+# bitsandbytes' NF4 code values (csrc/kernels.cu), which nf4 stores rounded to fp16.
+NF4_BITSANDBYTES = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]
+
+
 def weight_one_by_one(code: int, scale: float, zero, weight_format: str) -> float:
     """One dequantized weight from its code and its group's scale (and zero point), per
     docs/FORMAT.md. Written apart from torch_marlin.formats on purpose: a new format
@@ -24,6 +39,10 @@ def weight_one_by_one(code: int, scale: float, zero, weight_format: str) -> floa
         return (code - 8) * scale
     if weight_format == "uint4":
         return (code - zero) * scale
+    if weight_format == "affine":
+        return code * scale + zero  # `zero` is the group's bias
+    if weight_format == "nf4":
+        return fp16_nearest(NF4_BITSANDBYTES[code]) * scale
     raise AssertionError(f"tests/reference.py has no decode for weight_format={weight_format!r}")
 
 

@@ -21,7 +21,7 @@ def random_stack(experts, k, n, weight_format, group_size):
     groups = 1 if group_size == -1 else k // group_size
     codes = torch.randint(0, 16, (experts, k, n))
     scales = (torch.rand(experts, groups, n) * 0.02 + 0.001).half()
-    zeros = (torch.rand(experts, groups, n) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(experts, groups, n) * 15).half() if formats.has_zeros(weight_format) else None
     return QuantizedExperts.from_codes(codes, scales, zeros, weight_format, group_size)
 
 
@@ -61,7 +61,7 @@ def run(x, ids, weights, q, bias):
 def test_stack_matches_per_element_reference(weight_format):
     codes = torch.randint(0, 16, (3, 64, 5))
     scales = (torch.rand(3, 2, 5) * 0.02 + 0.001).half()
-    zeros = (torch.rand(3, 2, 5) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(3, 2, 5) * 15).half() if formats.has_zeros(weight_format) else None
     q = QuantizedExperts.from_codes(codes, scales, zeros, weight_format, 32)
     w = q.dequantize(torch.float64)
     assert w.shape == (3, 5, 64)
@@ -75,7 +75,7 @@ def test_stack_matches_per_element_reference(weight_format):
         assert torch.equal(tm.unpack_codes(q.packed[e]), codes[e].to(torch.uint8))
     assert torch.allclose(q.weight(torch.float64), w, rtol=0, atol=1e-6 * float(w.abs().max()))
     assert q.descriptor() == [2, formats.WEIGHT_FORMATS.index(weight_format), 32, 64, 3]
-    assert q.nbytes == 3 * (64 // 8 * 5 * 4 + 2 * 5 * 2 * (2 if weight_format == "uint4" else 1))
+    assert q.nbytes == 3 * (64 // 8 * 5 * 4 + 2 * 5 * 2 * (2 if formats.has_zeros(weight_format) else 1))
     with pytest.raises(ValueError, match=r"scales must be \[E, G, N\] with E = 3"):
         QuantizedExperts.from_codes(codes, scales[:2], zeros, weight_format, 32)
 

@@ -9,23 +9,27 @@ from pathlib import Path
 
 import pytest
 
+from torch_marlin.formats import WEIGHT_FORMATS
 from torch_marlin.testing import mslsim
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")
-ENUMERATOR = re.compile(r"\bk(Fp4|Uint4|Int4)\b")
+ENUMERATOR = re.compile(r"\bk(Fp4|Uint4|Int4|Nf4|Affine)\b")
 
 
 def _copy(tmp_path: Path, add_format: bool) -> Path:
-    """csrc/ and metal/ in tmp_path, with a 4th format `probe` (number 3) if add_format."""
+    """csrc/ and metal/ in tmp_path, with one more format `probe` (the next number) if add_format."""
     for d in ("csrc", "metal"):
         shutil.copytree(ROOT / d, tmp_path / d)
     if add_format:
         header = tmp_path / "metal" / "marlin_common.h"
         text = header.read_text()
-        for old, new in [("kInt4 = 2 };", "kInt4 = 2, kProbe = 3 };"),
-                         ("  X(int4, kInt4, __VA_ARGS__)\n", "  X(int4, kInt4, __VA_ARGS__) \\\n  X(probe, kProbe, __VA_ARGS__)\n"),
-                         ("kNumWeightFormats = 3;", "kNumWeightFormats = 4;")]:
+        n, last = len(WEIGHT_FORMATS), WEIGHT_FORMATS[-1]
+        enumerator = f"k{last.capitalize()}"
+        for old, new in [(f"{enumerator} = {n - 1} }};", f"{enumerator} = {n - 1}, kProbe = {n} }};"),
+                         (f"  X({last}, {enumerator}, __VA_ARGS__)\n",
+                          f"  X({last}, {enumerator}, __VA_ARGS__) \\\n  X(probe, kProbe, __VA_ARGS__)\n"),
+                         (f"kNumWeightFormats = {n};", f"kNumWeightFormats = {n + 1};")]:
             assert old in text, old
             text = text.replace(old, new)
         header.write_text(text)
@@ -38,11 +42,11 @@ def _syntax_check(root: Path, source: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
-@pytest.mark.parametrize("add_format", [False, True], ids=["as_is", "with_a_4th_format"])
+@pytest.mark.parametrize("add_format", [False, True], ids=["as_is", "with_one_more_format"])
 def test_cpu_kernels_need_a_decode_per_format(tmp_path, add_format):
     root = _copy(tmp_path, add_format)
-    for source, missing in [("csrc/cpu/kernels_generic.cpp", "FormatDecode<3>"),
-                            ("csrc/cpu/quantize_generic.cpp", "QuantFormat<3>")]:
+    for source, missing in [("csrc/cpu/kernels_generic.cpp", f"FormatDecode<{len(WEIGHT_FORMATS)}>"),
+                            ("csrc/cpu/quantize_generic.cpp", f"QuantFormat<{len(WEIGHT_FORMATS)}>")]:
         r = _syntax_check(root, source)
         if add_format:
             assert r.returncode != 0 and f"incomplete type" in r.stderr and missing in r.stderr, r.stderr[-3000:]
@@ -50,7 +54,7 @@ def test_cpu_kernels_need_a_decode_per_format(tmp_path, add_format):
             assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("add_format", [False, True], ids=["as_is", "with_a_4th_format"])
+@pytest.mark.parametrize("add_format", [False, True], ids=["as_is", "with_one_more_format"])
 def test_metal_kernels_need_a_decode_per_format(tmp_path, add_format):
     root = _copy(tmp_path, add_format)
     source = root / "metal" / "dequant.metal"  # instantiates the shared decode for every format

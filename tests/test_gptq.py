@@ -15,7 +15,9 @@ from torch_marlin.calibration import CalibrationError
 from torch_marlin.gptq import _inverse_cholesky, _Problem, _weighted_search, gptq_quantize, output_error
 from torch_marlin.hf.modules import PermutedInputMarlinLinear
 
-FORMATS = ("fp4", "int4", "uint4")
+from reference import weight_one_by_one
+
+FORMATS = formats.WEIGHT_FORMATS
 
 
 def correlated_inputs(rows: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -32,19 +34,14 @@ def hessian_of(x: torch.Tensor) -> torch.Tensor:
 
 # --- float64 reference: textbook GPTQ, one column at a time ------------------------------
 
-def grid(weight_format: str, zero=None) -> torch.Tensor:
-    """Every representable value before the scale (for uint4: q - zero, per row)."""
-    if weight_format == "fp4":
-        return formats.E2M1_VALUES.double()
-    if weight_format == "int4":
-        return torch.arange(-8, 8, dtype=torch.float64)
-    return torch.arange(16, dtype=torch.float64).unsqueeze(0) - zero.unsqueeze(1)
+def representable(weight_format: str, scale: torch.Tensor, zero=None) -> torch.Tensor:
+    """Every weight a row can hold [N, 16], from the per-element decode of tests/reference.py."""
+    return torch.tensor([[weight_one_by_one(code, s, None if zero is None else float(zero[row]), weight_format)
+                          for code in range(16)] for row, s in enumerate(scale.tolist())], dtype=torch.float64)
 
 
-def nearest(w: torch.Tensor, scale: torch.Tensor, weight_format: str, zero=None) -> torch.Tensor:
-    """Nearest representable value of each w (one per row) by exhaustive search, in float64."""
-    values = grid(weight_format, zero) * scale.unsqueeze(-1) if zero is not None else \
-        grid(weight_format).unsqueeze(0) * scale.unsqueeze(-1)
+def nearest(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Nearest of each row's representable values [N, 16] to w [N], by exhaustive search."""
     best = (values - w.unsqueeze(-1)).abs().argmin(-1, keepdim=True)
     return values.gather(-1, best).squeeze(-1)
 
@@ -68,9 +65,8 @@ def reference_gptq(w, h, weight_format, group_size, damp, act_order=False):
     for j in range(k):
         if j % gs == 0:
             scale, zero = _weighted_search(w[:, j:j + gs], cost[j:j + gs].float(), weight_format)
-            scale = scale.double()
-            zero = None if zero is None else zero.double()
-        q[:, j] = nearest(w[:, j], scale, weight_format, zero)
+            values = representable(weight_format, scale.double(), None if zero is None else zero.double())
+        q[:, j] = nearest(w[:, j], values)
         e = (w[:, j] - q[:, j]) / u[j, j]
         w[:, j:] -= e.unsqueeze(1) * u[j, j:].unsqueeze(0)
     restored = torch.empty_like(q)
@@ -152,24 +148,25 @@ def test_scale_refit_is_the_least_squares_solution(weight_format):
         for sol in sols:
             values = formats.code_values(sol.codes, weight_format).to(prob.w.dtype)
             groups = torch.arange(k) // gs
-            if sol.zeros is not None:
-                values = values - sol.zeros.to(prob.w.dtype)[:, groups]
-            assert sol.loss == pytest.approx(prob.loss_of(values * sol.scales.to(prob.w.dtype)[:, groups]), rel=rel)
+            zeros = None if sol.zeros is None else sol.zeros.to(prob.w.dtype)[:, groups]
+            weights = formats.value_format(weight_format).weights(values, sol.scales.to(prob.w.dtype)[:, groups], zeros)
+            assert sol.loss == pytest.approx(prob.loss_of(weights), rel=rel)
     chol = torch.linalg.cholesky(h)
     values = formats.code_values(first.codes, weight_format).double()
     groups = torch.arange(k) // gs
     for row in range(n):
         design = torch.zeros(k, k // gs, dtype=torch.float64)
         design[torch.arange(k), groups] = values[row]
-        if weight_format == "uint4":  # w = s q + c per group, zero = -c / s
+        if formats.has_zeros(weight_format):  # w = s q + c per group, zero = -c / s (affine: bias = c)
             ones = torch.zeros(k, k // gs, dtype=torch.float64)
             ones[torch.arange(k), groups] = 1
             design = torch.cat([design, ones], 1)
         solution = torch.linalg.lstsq(chol.t() @ design, chol.t() @ w[row]).solution
         scales = solution[: k // gs]
         torch.testing.assert_close(refit.scales[row].double(), scales.half().double(), rtol=2e-3, atol=0)
-        if weight_format == "uint4":
-            zeros = -solution[k // gs:] / refit.scales[row].double()
+        if formats.has_zeros(weight_format):
+            c = solution[k // gs:]
+            zeros = c if formats.value_format(weight_format).bias else -c / refit.scales[row].double()
             torch.testing.assert_close(refit.zeros[row].double(), zeros, rtol=2e-3, atol=2e-3)
 
 

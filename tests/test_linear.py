@@ -51,7 +51,7 @@ def test_state_dict_and_safetensors_roundtrip(tmp_path, weight_format):
 
     linear = nn.Linear(100, 40)
     q = tm.MarlinLinear.from_linear(linear, weight_format, 32)
-    expected_keys = {"packed", "scales", "bias", "_extra_state"} | ({"zeros"} if weight_format == "uint4" else set())
+    expected_keys = {"packed", "scales", "bias", "_extra_state"} | ({"zeros"} if formats.has_zeros(weight_format) else set())
     assert set(q.state_dict()) == expected_keys
     save_file(q.state_dict(), tmp_path / "layer.safetensors")
     fresh = tm.MarlinLinear(100, 40, weight_format=weight_format, group_size=32)

@@ -21,7 +21,7 @@ def random_weight(k, n, weight_format, group_size):
     groups = 1 if group_size == -1 else k // group_size
     codes = torch.randint(0, 16, (k, n))
     scales = (torch.rand(groups, n) * 0.02 + 0.001).half()
-    zeros = (torch.rand(groups, n) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(groups, n) * 15).half() if formats.has_zeros(weight_format) else None
     return tm.pack_codes(codes), scales, zeros
 
 
@@ -124,7 +124,7 @@ def _args(**over):
     (dict(x=torch.randn(2, 63)), r"x.size\(-1\) must equal K = 8 \* packed.size\(0\) = 64"),
     (dict(x=torch.randn(2, 64).half(), bias=torch.randn(8)), "bias must have x's dtype"),
     (dict(bias=torch.randn(9)), r"bias must have shape \[N\] = \[8\]"),
-    (dict(weight_format="nf4"), "weight_format must be one of"),
+    (dict(weight_format="nf3"), "weight_format must be one of"),
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=128), "must be a multiple of group_size = 128"),
     (dict(packed=torch.zeros(8, 8, dtype=torch.int64)), "packed must be int32"),

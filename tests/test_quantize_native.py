@@ -165,7 +165,8 @@ def test_portable_build_on_aarch64(tmp_path):
                     str(_ROOT / "csrc" / "cpu" / "quantize_generic.cpp"), "-o", str(exe)],
                    check=True, timeout=900)
     ratios, rounds = quantize._search_space(True)
-    for weight_format, group_size, k in [("fp4", 128, 200), ("uint4", 32, 96), ("int4", 16, 64), ("uint4", -1, 300)]:
+    for weight_format, group_size, k in [("fp4", 128, 200), ("uint4", 32, 96), ("int4", 16, 64), ("uint4", -1, 300),
+                                        ("nf4", 64, 128), ("affine", 32, 96)]:
         w = hard_weights(11, k, torch.float32)
         ref = quantize.quantize_weight_reference(w, weight_format, group_size, "mse")
         kp = ref.padded_in_features
@@ -181,7 +182,7 @@ def test_portable_build_on_aarch64(tmp_path):
         scales = out[packed_bytes:packed_bytes + group_bytes].view(torch.float16).view(-1, 11)
         assert torch.equal(packed, ref.packed), weight_format
         assert torch.equal(scales.view(torch.int16), ref.scales.view(torch.int16)), weight_format
-        if weight_format == "uint4":
+        if formats.has_zeros(weight_format):
             assert torch.equal(out[packed_bytes + group_bytes:].view(torch.float16).view(-1, 11), ref.zeros)
 
 

@@ -20,7 +20,7 @@ def test_cpp_header_equals_formats_py():
 
 def test_persisted_format_numbers_are_pinned():
     # MarlinLinear state_dicts and checkpoints store these numbers: they never change.
-    assert formats.WEIGHT_FORMATS[:3] == ("fp4", "uint4", "int4")
+    assert formats.WEIGHT_FORMATS[:5] == ("fp4", "uint4", "int4", "nf4", "affine")
     qweight = torch_marlin.quantize_weight(torch.randn(8, 64), "int4", 32)
     assert qweight.descriptor()[:2] == [1, 2]  # dense layout 1, int4 = 2
 

@@ -29,7 +29,7 @@ def random_sparse(k, n, weight_format, group_size, generator=None):
     mask = random_mask(k, n, generator)
     groups = 1 if group_size == -1 else k // group_size
     scales = (torch.rand(groups, n, generator=generator) * 0.02 + 0.001).half()
-    zeros = (torch.rand(groups, n, generator=generator) * 15).half() if weight_format == "uint4" else None
+    zeros = (torch.rand(groups, n, generator=generator) * 15).half() if formats.has_zeros(weight_format) else None
     values, metadata = sp.pack_sparse(codes, mask)
     return values, metadata, scales, zeros
 
@@ -87,7 +87,7 @@ def test_every_pattern_and_every_code_in_every_slot():
     assert torch.equal(sp.unpack_kept(values, metadata)[1], positions.to(torch.uint8))
     for weight_format in formats.WEIGHT_FORMATS:
         scales = torch.rand(1, n).half() + 0.5
-        zeros = (torch.rand(1, n) * 15).half() if weight_format == "uint4" else None
+        zeros = (torch.rand(1, n) * 15).half() if formats.has_zeros(weight_format) else None
         got = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, weight_format, -1, torch.float32)
         ref = torch.tensor(dequantize_sparse_one_by_one(values.tolist(), metadata.tolist(), scales.float().tolist(),
                                                         None if zeros is None else zeros.float().tolist(),
@@ -269,7 +269,7 @@ def _args(**over):
     (dict(x=torch.randn(2, 64, dtype=torch.float64)), "x must be float16, bfloat16 or float32"),
     (dict(x=torch.randn(2, 63)), r"x.size\(-1\) must equal K = 16 \* values.size\(0\) = 64"),
     (dict(bias=torch.randn(9)), r"bias must have shape \[N\] = \[8\]"),
-    (dict(weight_format="nf4"), "weight_format must be one of"),
+    (dict(weight_format="nf3"), "weight_format must be one of"),
     (dict(group_size=48), "group_size must be one of"),
     (dict(group_size=128), "must be a multiple of group_size = 128"),
     (dict(values=torch.zeros(4, 8, dtype=torch.int64)), "values must be int32"),

@@ -101,7 +101,7 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"hessian must have shape \[in_features, in_features\] = \[96, 96\]"):
         sparsegpt(w, h[:90, :90])
     with pytest.raises(ValueError, match="weight_format must be one of"):
-        sparsegpt(w, h, "nf4")
+        sparsegpt(w, h, "nf3")
     with pytest.raises(ValueError, match="damp must be a number"):
         sparsegpt(w, h, damp=-1.0)
 

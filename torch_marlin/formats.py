@@ -23,14 +23,26 @@ E2M1_VALUES = torch.tensor(
     dtype=torch.float32,
 )
 
+# bitsandbytes' NF4 table (normal-distribution quantiles, QLoRA), as published in float32;
+# nf4 stores each rounded to the nearest fp16 (NF4_VALUES), which every backend holds exactly.
+NF4_BITSANDBYTES = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+NF4_VALUES = torch.tensor(NF4_BITSANDBYTES, dtype=torch.float64).half().float()
+
 
 # --- value formats ---------------------------------------------------------------------
 # A value format says what a 4-bit code means: the value of each of the 16 codes
-# before the group scale, whether a group also has a zero point (w = (value - zero)
-# * scale, else w = value * scale), and how a real x = w / scale (+ zero) rounds to
-# the nearest code. Every Python path (quantize.py, gptq.py, sparsegpt.py, the C++
-# quantizer's wrapper, the reference dequantizer) asks the descriptor; the C++ and
-# Metal decodes are specialised per format (metal/marlin_common.h).
+# before the group scale, whether a group also has a second fp16 parameter (`zeros`):
+# a zero point, w = (value - zero) * scale, or a bias, w = value * scale + bias (else
+# w = value * scale), and how a real x (code_inputs: w / scale, + zero, or
+# (w - bias) / scale) rounds to the nearest code. Every Python path (quantize.py,
+# gptq.py, sparsegpt.py, the C++ quantizer's wrapper, the reference dequantizer) asks
+# the descriptor; the C++ and Metal decodes are specialised per format
+# (metal/marlin_common.h).
 
 class ValueFormat:
     """A format given by its table of 16 code values; rounding to the nearest value by
@@ -38,12 +50,13 @@ class ValueFormat:
     `nearest_values` / `round_codes` / `codes_of` and must agree with the table search
     off ties (tests/test_formats.py)."""
 
-    def __init__(self, name: str, values, zeros: bool = False):
+    def __init__(self, name: str, values, zeros: bool = False, bias: bool = False):
         self.name = name
         self.values = torch.as_tensor(values, dtype=torch.float32)  # indexed by code
         if self.values.shape != (16,):
             raise ValueError(f"a value format has 16 code values, got {list(self.values.shape)}")
-        self.zeros = zeros  # a zero point per group besides the scale
+        self.zeros = zeros or bias  # a second tensor per group (`zeros`) besides the scale
+        self.bias = bias  # it is a bias added after the scale, not a zero point subtracted before
         self._order = torch.sort(self.values, stable=True).indices
         ordered = self.values[self._order]
         self._midpoints = (ordered[1:] + ordered[:-1]) / 2
@@ -62,6 +75,23 @@ class ValueFormat:
     def value_range(self) -> float:
         """Largest minus smallest code value: an asymmetric group's range maps onto it."""
         return float(self.values.max() - self.values.min())
+
+    def weights(self, values: torch.Tensor, scales: torch.Tensor, zeros) -> torch.Tensor:
+        """Dequantized weights from code values (q for formats with zeros) and their group's
+        scales (and zeros), all broadcastable and of one float dtype."""
+        if self.bias:
+            return values * scales + zeros
+        if self.zeros:
+            return (values - zeros) * scales
+        return values * scales
+
+    def code_inputs(self, w: torch.Tensor, scales: torch.Tensor, zeros) -> torch.Tensor:
+        """The x whose nearest code (round_codes) is weight w's, for given scales (and zeros)."""
+        if self.bias:
+            return (w - zeros) / scales
+        if self.zeros:
+            return w / scales + zeros
+        return w / scales
 
     def code_values(self, codes: torch.Tensor) -> torch.Tensor:
         """Value of each code before the scale (float32); formats with zeros give q."""
@@ -108,8 +138,8 @@ class _E2M1(ValueFormat):
 class _Integer(ValueFormat):
     """Code q has the value q - offset; rounding is torch.round (ties to even) and a clamp."""
 
-    def __init__(self, name: str, offset: int, zeros: bool = False):
-        super().__init__(name, torch.arange(16) - offset, zeros)
+    def __init__(self, name: str, offset: int, zeros: bool = False, bias: bool = False):
+        super().__init__(name, torch.arange(16) - offset, zeros, bias)
         self.offset = offset
 
     def round_codes(self, x):
@@ -137,6 +167,8 @@ VALUE_FORMATS = {f.name: f for f in (
     _E2M1("fp4"),
     _Integer("uint4", 0, zeros=True),
     _Integer("int4", INT4_OFFSET),
+    ValueFormat("nf4", NF4_VALUES),
+    _Integer("affine", 0, bias=True),
 )}
 WEIGHT_FORMATS = tuple(VALUE_FORMATS)
 FORMATS_WITH_ZEROS = tuple(name for name, f in VALUE_FORMATS.items() if f.zeros)
@@ -156,7 +188,7 @@ def value_format(weight_format: str) -> ValueFormat:
 
 
 def has_zeros(weight_format: str) -> bool:
-    """Whether the format stores zero points (`zeros`) next to the scales."""
+    """Whether the format stores `zeros` next to the scales (zero points, or biases)."""
     return value_format(weight_format).zeros
 
 
@@ -246,10 +278,8 @@ def dequantize_reference(packed, scales, zeros, weight_format: str, group_size: 
     k, n, groups = check_quantized(packed, scales, zeros, weight_format, group_size)
     rows = effective_group_size(k, group_size)
     values = code_values(unpack_codes(packed), weight_format).to(torch.float64)
-    scale_rows = scales.to(torch.float64).repeat_interleave(rows, dim=0)
-    if has_zeros(weight_format):
-        values = values - zeros.to(torch.float64).repeat_interleave(rows, dim=0)
-    return (values * scale_rows).to(dtype)
+    per_row = lambda t: None if t is None else t.to(torch.float64).repeat_interleave(rows, dim=0)
+    return value_format(weight_format).weights(values, per_row(scales), per_row(zeros)).to(dtype)
 
 
 def _check_group_tensor(t, name: str, groups: int, n: int, device) -> None:

@@ -281,9 +281,12 @@ class _Problem:
         """Least-squares group scales (and zeros) for fixed codes on the full objective."""
         n, kp = self.w.shape
         gs, groups = self.gs, kp // self.gs
-        uint4 = sol.zeros is not None
-        # uint4: w = s (q - z) = s (q - 8) + c per group, with c = s (8 - z): centered codes keep
-        # the two terms from cancelling (and the float32 products accurate).
+        uint4 = sol.zeros is not None  # or any format with zeros
+        bias = formats.value_format(self.fmt).bias
+        # uint4: w = s (q - z) = s (q - 8) + c per group, with c = s (8 - z) (affine: w = s q + b,
+        # c = 8 s + b): centered codes keep the two terms from cancelling (and the float32
+        # products accurate).
+        offset_term = lambda s, z: formats.INT4_OFFSET * s + z if bias else (formats.INT4_OFFSET - z) * s
         values = formats.code_values(sol.codes, self.fmt).to(self.w.dtype)
         if uint4:
             values -= formats.INT4_OFFSET
@@ -311,7 +314,7 @@ class _Problem:
                 corner = h_groups.double().expand(r, -1, -1)
                 a = torch.cat([torch.cat([a, b], 2), torch.cat([b.transpose(1, 2), corner], 2)], 1)
                 rhs = torch.cat([rhs, hw[r0:r0 + rows].view(r, groups, gs).sum(-1).double()], 1)
-                old = torch.cat([old_s, (formats.INT4_OFFSET - sol.zeros[r0:r0 + rows].double()) * old_s], 1)
+                old = torch.cat([old_s, offset_term(old_s, sol.zeros[r0:r0 + rows].double())], 1)
             else:
                 old = old_s
             # A small ridge toward the current values keeps groups without information
@@ -325,9 +328,10 @@ class _Problem:
             s16 = scales[r0:r0 + rows].double()
             stored = s16
             if uint4:
-                new_z = (formats.INT4_OFFSET - x[:, groups:] / s16).clamp(-65504, 65504)
+                c = x[:, groups:]
+                new_z = (c - formats.INT4_OFFSET * s16 if bias else formats.INT4_OFFSET - c / s16).clamp(-65504, 65504)
                 zeros[r0:r0 + rows] = torch.where(ok & torch.isfinite(new_z), new_z.half(), sol.zeros[r0:r0 + rows])
-                stored = torch.cat([s16, (formats.INT4_OFFSET - zeros[r0:r0 + rows].double()) * s16], 1)
+                stored = torch.cat([s16, offset_term(s16, zeros[r0:r0 + rows].double())], 1)
             # The objective of the values as stored (fp16), per row: w'Hw - 2 x'r + x'Ax.
             whw = (hw[r0:r0 + rows] * self.w[r0:r0 + rows]).sum(-1).double()
             quadratic = (stored.unsqueeze(1) @ a @ stored.unsqueeze(-1)).view(-1)
@@ -337,21 +341,16 @@ class _Problem:
 
 def _dequantize(codes, scales, zeros, weight_format, group_size) -> torch.Tensor:
     """codes [N, K], scales/zeros [N, G] -> float32 [N, K]."""
-    values = formats.code_values(codes, weight_format)
-    s = scales.float().repeat_interleave(group_size, dim=1)
-    if zeros is not None:
-        values = values - zeros.float().repeat_interleave(group_size, dim=1)
-    return values * s
+    per_column = lambda t: None if t is None else t.float().repeat_interleave(group_size, dim=1)
+    return formats.value_format(weight_format).weights(formats.code_values(codes, weight_format),
+                                                       per_column(scales), per_column(zeros))
 
 
 def _quantize_column(w: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor], weight_format: str):
     """(code value before the scale -- q itself for formats with zeros --, dequantized value) of one column."""
     fmt = formats.value_format(weight_format)
-    if zero is None:
-        v = fmt.nearest_values(w / scale)
-        return v, v * scale
-    q = fmt.nearest_values(w / scale + zero)
-    return q, (q - zero) * scale
+    v = fmt.nearest_values(fmt.code_inputs(w, scale, zero))
+    return v, fmt.weights(v, scale, zero)
 
 
 def _codes_of(values: torch.Tensor, weight_format: str) -> torch.Tensor:
@@ -384,10 +383,15 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
             z = None
         else:
             s = _to_fp16_scale((hi - lo) * ratio / qmax)
-            z = (-lo * ratio / s.float()).half()
+            z = (lo * ratio).clamp(-65504, 65504).half() if fmt.bias else (-lo * ratio / s.float()).half()
         for refit in range(_SEARCH_REFITS):
-            v = _values(group, s, z, weight_format)  # q - zero for formats with zeros
-            d = v * s.float().unsqueeze(-1) - group
+            if z is None:
+                v = _values(group, s, None, weight_format)
+                d = v * s.float().unsqueeze(-1) - group
+            else:  # q, and the weights it stands for
+                s1, z1 = s.float().unsqueeze(-1), z.float().unsqueeze(-1)
+                q = fmt.nearest_values(fmt.code_inputs(group, s1, z1))
+                d = fmt.weights(q, s1, z1) - group
             err = (d * d * c).sum(-1)
             better = err < best_err
             best_err = torch.where(better, err, best_err)
@@ -400,8 +404,7 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
                 vv = (c * v * v).sum(-1)
                 new = (c * v * group).sum(-1) / vv.clamp_min(1e-30)
                 s = _to_fp16_scale(torch.where(vv > 0, new, s.float()))
-            else:  # weighted fit w ~ a q + b on these codes; zero = -b / a
-                q = v + z.float().unsqueeze(-1)
+            else:  # weighted fit w ~ a q + b on these codes; zero = -b / a (a bias: b)
                 qm = (c * q).sum(-1, keepdim=True) / csum
                 wm = (c * group).sum(-1, keepdim=True) / csum
                 qc = q - qm
@@ -410,7 +413,7 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
                 ok = (var > 0) & (a > 2.0 ** -14)
                 s_new = _to_fp16_scale(torch.where(ok, a, s.float()))
                 b = wm.squeeze(-1) - a * qm.squeeze(-1)
-                z = torch.where(ok, -b / s_new.float(), z.float()).clamp(-65504, 65504).half()
+                z = torch.where(ok, b if fmt.bias else -b / s_new.float(), z.float()).clamp(-65504, 65504).half()
                 s = s_new
     return best_s, best_z
 

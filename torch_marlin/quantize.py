@@ -1,7 +1,7 @@
 """Quantizers: float nn.Linear weights [N, K] -> packed torch_marlin weights.
 
 Every quantizer here is round-to-nearest with one scale (and for uint4 one
-zero point) per group of K. `method="absmax"` takes the scale from the group's
+zero point, for affine one bias) per group of K. `method="absmax"` takes the scale from the group's
 range; `method="mse"` (default) searches clipped ranges and refits scale (and
 zero) by least squares on the chosen codes, keeping whatever gives the
 smallest squared reconstruction error with the scales rounded to fp16 as
@@ -155,10 +155,9 @@ def _round_codes(x: torch.Tensor, weight_format: str) -> torch.Tensor:
 
 
 def _reconstruct(codes, scales, zeros, weight_format):
-    values = formats.code_values(codes, weight_format)
-    if zeros is not None:
-        values = values - zeros.float().unsqueeze(-1)
-    return values * scales.float().unsqueeze(-1)
+    per_group = lambda t: None if t is None else t.float().unsqueeze(-1)
+    return formats.value_format(weight_format).weights(formats.code_values(codes, weight_format),
+                                                       per_group(scales), per_group(zeros))
 
 
 def _to_fp16_scale(s: torch.Tensor) -> torch.Tensor:
@@ -240,6 +239,8 @@ def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
 
 
 def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
+    if formats.value_format(weight_format).bias:
+        return _affine(groups, weight_format, search)
     # The range always contains 0, so the zero point stays within 0..15.
     lo = groups.amin(-1).clamp(max=0)
     hi = groups.amax(-1).clamp(min=0)
@@ -271,6 +272,40 @@ def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
     scale, zero = best[1], best[2]
     codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
     return codes, scale, zero
+
+
+def _affine(groups: torch.Tensor, weight_format: str, search: bool):
+    """_asymmetric for a bias, w = q * scale + bias: the clipped range [lo, hi] * ratio
+    (containing 0 like uint4's) onto 0..15, bias = lo * ratio; each refit is the
+    least-squares line w ~ a q + b on the codes, scale = a, bias = b."""
+    fmt = formats.value_format(weight_format)
+    lo = groups.amin(-1).clamp(max=0)
+    hi = groups.amax(-1).clamp(min=0)
+    n = groups.shape[-1]
+    w_mean = _tree_sum(groups) / n
+    w_centered = groups - w_mean.unsqueeze(-1)
+    best = None
+    ratios, rounds = _search_space(search)
+    for ratio in ratios:
+        scale = _to_fp16_scale((hi - lo) * ratio / fmt.value_range)
+        bias = (lo * ratio).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        for round_ in range(rounds):
+            s, b = scale.float().unsqueeze(-1), bias.float().unsqueeze(-1)
+            q = fmt.nearest_values(fmt.code_inputs(groups, s, b))
+            diff = fmt.weights(q, s, b) - groups
+            best = _keep_better(best, _dot(diff, diff), scale, bias)
+            if round_ + 1 == rounds:
+                break
+            q_mean = _tree_sum(q) / n
+            q_centered = q.sub_(q_mean.unsqueeze(-1))
+            var = _dot(q_centered, q_centered)
+            a = _dot(q_centered, w_centered) / var.clamp_min(1e-30)
+            ok = (var > 0) & (a > _FP16_TINY)
+            new_bias = torch.where(ok, w_mean - a * q_mean, bias.float()).clamp(-FP16_MAX, FP16_MAX)
+            scale, bias = _to_fp16_scale(torch.where(ok, a, scale.float())), new_bias.to(torch.float16)
+    scale, bias = best[1], best[2]
+    codes = _round_codes(fmt.code_inputs(groups, scale.float().unsqueeze(-1), bias.float().unsqueeze(-1)), weight_format)
+    return codes, scale, bias
 
 
 def _rtn(search: bool) -> Quantizer:

@@ -142,6 +142,27 @@ constexpr float code_value(int code) {
 }
 template <int F>
 constexpr bool kHasZeros = has_zeros(WeightFormat(F));
+template <int F>
+constexpr bool kZerosAreBias = zeros_are_bias(WeightFormat(F));
+
+// The group's `zeros` (formats with zeros): a zero point, w = (value - zero) * scale
+// (uint4), or a bias, w = value * scale + bias (affine).
+// acc plus a group's share of a dot product, from sum (of value * x) and xsum (of x
+// over the group's rows; formats with zeros): the same two instructions for both.
+template <int F>
+inline vf group_dot(vf acc, vf sum, vf xsum, vf scale, vf zero) {
+  if constexpr (kZerosAreBias<F>) return fmadd(scale, sum, fmadd(zero, xsum, acc));
+  if constexpr (kHasZeros<F>) sum -= zero * xsum;
+  return fmadd(scale, sum, acc);
+}
+
+// A dequantized weight from its value v.
+template <int F>
+inline vf group_weight(vf v, vf scale, vf zero) {
+  if constexpr (kZerosAreBias<F>) return fmadd(v, scale, zero);
+  if constexpr (kHasZeros<F>) return (v - zero) * scale;
+  return v * scale;
+}
 
 // AVX-512 decodes every format by table (TableDecode); MARLIN_KERNEL_TABLE_DECODE=1
 // makes every build do so (tests/test_format_seam.py checks the table path of each
@@ -251,6 +272,16 @@ struct FormatDecode<kUint4> {
   }
 };
 
+// affine: q, as uint4 (the bias is applied per group).
+template <>
+struct FormatDecode<kAffine> : FormatDecode<kUint4> {};
+
+// nf4: bitsandbytes' NF4 table in fp16 (kNf4Values); no bit trick, the table decode.
+template <>
+struct FormatDecode<kNf4> : TableDecode<FormatDecode<kNf4>> {
+  static constexpr float value(int code) { return kNf4Values[code]; }
+};
+
 // Prepares a loaded word vector for decode_nibble.
 template <int F>
 inline vi prepare_words(vi w) {
@@ -298,9 +329,20 @@ inline vf decode_bf16_pairs(vi w, int64_t select) {
 }
 #endif
 
-// Pair p (0..3) of each prepared word.
+// Whether code_value<F> of every code is exact in bf16 (its low 16 bits are 0).
+template <int F>
+constexpr bool values_fit_bf16() {
+  for (int i = 0; i < 16; ++i)
+    if (__builtin_bit_cast(uint32_t, code_value<F>(i)) & 0xFFFFu) return false;
+  return true;
+}
+
+// Pair p (0..3) of each prepared word. The ops give bf16 x only to formats
+// with values_exact_in_bf16 (metal/marlin_common.h), which this checks.
 template <int F>
 inline vf decode_pair(vi w, int p) {
+  static_assert(!values_exact_in_bf16(WeightFormat(F)) || values_fit_bf16<F>(),
+                "values_exact_in_bf16 claims bf16-exact values that are not");
 #if MARLIN_KERNEL_AVX512
   // Nibbles 2p, 2p + 1: word bits 8p.. and 8p + 4...
   return decode_bf16_pairs<F>(w, 0x2424202004040000ll + 0x0808080808080808ll * p);
@@ -462,8 +504,9 @@ inline void gemv_micro(const GemvChunk& c, int col) {
       }
       vf sum = p[i][v];
       if (FormatDecode<F>::kByteTable && !Dot) sum *= 0.5f;
-      if (kHasZeros<F>) sum -= load(c.zero + col + kLanes * v) * c.xsum[i * c.ldxsum];
-      store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
+      const vf xsum = kHasZeros<F> ? splat(c.xsum[i * c.ldxsum]) : vf{};
+      const vf zero = kHasZeros<F> ? load(c.zero + col + kLanes * v) : vf{};
+      store(c.acc + o, group_dot<F>(load(c.acc + o), sum, xsum, load(c.scale + col + kLanes * v), zero));
     }
   }
 }
@@ -717,7 +760,7 @@ void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
         const vf v = decode_nibble<F>(w, j);
-        store(dst + j * kTileCols + kLanes * q, kHasZeros<F> ? (v - z) * s : v * s);
+        store(dst + j * kTileCols + kLanes * q, group_weight<F>(v, s, z));
       }
     }
   }
@@ -825,7 +868,8 @@ void dequant_pairs_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb,
 }
 
 // acc[0:MR, col:col+kDotCols] += scale * (x[0:MR, segment] @ tile[pairs, col:...]), and for
-// uint4 once per group (xsum set: x's sums over the group, row stride ldxsum) - scale * zero * xsum.
+// formats with zeros once per group (xsum set: x's sums over the group, row stride ldxsum)
+// the zero point's or the bias's term (group_dot).
 template <int F, int MR>
 inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float* tile, int col,
                       const float* scale, const float* zero, const float* xsum, int64_t ldxsum, float* acc) {
@@ -844,8 +888,9 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float
     for (int v = 0; v < kDotVectors; ++v) {
       const int o = col + kLanes * v;
       vf sum = p[i][v];
-      if (kHasZeros<F> && xsum) sum -= load(zero + o) * xsum[i * ldxsum];
-      store(acc + i * kTileCols + o, fmadd(load(scale + o), sum, load(acc + i * kTileCols + o)));
+      const vf a = load(acc + i * kTileCols + o), s = load(scale + o);
+      store(acc + i * kTileCols + o, kHasZeros<F> && xsum ? group_dot<F>(a, sum, splat(xsum[i * ldxsum]), s, load(zero + o))
+                                                          : fmadd(s, sum, a));
     }
   }
 }

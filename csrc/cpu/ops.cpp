@@ -49,8 +49,9 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   check_cpu(packed, "packed");
 
   const CpuKernels& kern = kernels();
-  // Builds with bf16 dot products take bf16 x as it is; the others take fp32.
-  const bool bf16_x = kern.bf16_x && x.scalar_type() == at::kBFloat16;
+  // Builds with bf16 dot products take bf16 x as it is (for formats whose values bf16
+  // holds); the others take fp32.
+  const bool bf16_x = kern.bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(s.format);
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = s.n;
   const at::Tensor x2 = bf16_x ? x.reshape({-1, s.k}).contiguous() : x.reshape({-1, s.k}).to(at::kFloat).contiguous();

@@ -218,6 +218,8 @@ struct QuantFormat;
 
 template <int kFormat>
 constexpr bool kHasZeros = has_zeros(WeightFormat(kFormat));
+template <int kFormat>
+constexpr bool kZerosAreBias = zeros_are_bias(WeightFormat(kFormat));
 
 template <>
 struct QuantFormat<kFp4> {
@@ -247,9 +249,55 @@ struct QuantFormat<kUint4> {
   static vi codes(vf w, vf s, vf z) { return __builtin_convertvector(round_clamped(w / s + z, 0.0f, 15.0f), vi); }
 };
 
+// A format given by its 16 values, ascending by code (kValues): the nearest value
+// by counting the midpoints below x = w / s, ties to the smaller value as the
+// descriptor's bucketize. Each partial sum of the steps is a table value, so
+// the value is exact.
+template <const float* kValues>
+struct TableQuant {
+  static constexpr bool ascending() {
+    for (int i = 1; i < 16; ++i)
+      if (!(kValues[i - 1] < kValues[i])) return false;
+    return true;
+  }
+  static_assert(ascending(), "a table format's values ascend with the code");
+  static constexpr float kMaxValue = kValues[15];
+  static constexpr float midpoint(int i) { return (kValues[i - 1] + kValues[i]) / 2; }
+  static vf values(vf w, vf s, vf) {
+    const vf x = w / s;
+    vf v = splat(kValues[0]);
+    for (int i = 1; i < 16; ++i) v = v + bit_and(splat(kValues[i] - kValues[i - 1]), x > splat(midpoint(i)));
+    return v;
+  }
+  static vi codes(vf w, vf s, vf) {
+    const vf x = w / s;
+    vi code = splat_i(0);
+    for (int i = 1; i < 16; ++i) code = code - (x > splat(midpoint(i)));  // a true compare is -1
+    return code;
+  }
+};
+
+template <>
+struct QuantFormat<kNf4> : TableQuant<kNf4Values> {};
+
+// affine: q (the bias z is added after the scale: reconstruct).
+template <>
+struct QuantFormat<kAffine> {
+  static constexpr float kValueRange = 15.0f;
+  static vf values(vf w, vf s, vf z) { return round_clamped((w - z) / s, 0.0f, 15.0f); }
+  static vi codes(vf w, vf s, vf z) { return __builtin_convertvector(values(w, s, z), vi); }
+};
+
 template <int kFormat>
 inline vf code_values(vf w, vf s, vf z) {
   return QuantFormat<kFormat>::values(w, s, z);
+}
+
+// The weight a code value v stands for (ValueFormat.weights, as the reference orders it).
+template <int kFormat>
+inline vf reconstruct(vf v, vf s, vf z) {
+  if constexpr (kZerosAreBias<kFormat>) return v * s + z;
+  return v * s;
 }
 
 // --- one group ----------------------------------------------------------------------------
@@ -351,7 +399,7 @@ inline void prepare(G& g, float* norm2) {
 }
 
 struct Candidate {
-  float scale, zero;  // zero: uint4 only
+  float scale, zero;  // zero: formats with zeros only (affine: the bias)
 };
 
 // The squared errors of kCount candidates and, when kRefit, the least-squares
@@ -364,7 +412,7 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
   if constexpr (!kRefit) {
     group_sums<kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
-        const vf d = code_values<kFormat>(g.w[j], s[i], z[i]) * s[i] - g.w[j];
+        const vf d = reconstruct<kFormat>(code_values<kFormat>(g.w[j], s[i], z[i]), s[i], z[i]) - g.w[j];
         out[i] = d * d;
       }
     }, err);
@@ -392,13 +440,13 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
     group_sums<2 * kCount>(g, [&](int j, vf* out) {
       for (int i = 0; i < kCount; ++i) {
         const vf v = code_values<kFormat>(g.w[j], s[i], z[i]);
-        const vf d = v * s[i] - g.w[j];
+        const vf d = reconstruct<kFormat>(v, s[i], z[i]) - g.w[j];
         out[2 * i] = d * d;
-        g.q_of(i)[j] = v + z[i];
+        g.q_of(i)[j] = kZerosAreBias<kFormat> ? v : v + z[i];
         out[2 * i + 1] = g.q_of(i)[j];
       }
     }, sums);
-    // Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
+    // Least-squares fit w ~ a*q + b on these codes, then zero = -b/a (affine: bias = b).
     float q_mean[kCount];
     vf qm[kCount];
     for (int i = 0; i < kCount; ++i) {
@@ -419,7 +467,11 @@ inline void evaluate(G& g, const Candidate* c, Candidate* next, float* err) {
       const bool ok = var > 0.0f && a > kFp16Tiny;
       next[i].scale = fp16_round(clamp(ok ? a : c[i].scale, kFp16Tiny, kFp16Max));
       const float b = g.w_mean - a * q_mean[i];
-      next[i].zero = fp16_round(clamp(ok ? -b / next[i].scale : c[i].zero, -kFp16Max, kFp16Max));
+      if constexpr (kZerosAreBias<kFormat>) {
+        next[i].zero = fp16_round(clamp(ok ? b : c[i].zero, -kFp16Max, kFp16Max));
+      } else {
+        next[i].zero = fp16_round(clamp(ok ? -b / next[i].scale : c[i].zero, -kFp16Max, kFp16Max));
+      }
     }
   }
 }
@@ -429,6 +481,7 @@ template <int kFormat, class G>
 inline Candidate clipped(const G& g, float r) {
   if constexpr (kHasZeros<kFormat>) {
     const float scale = fp16_round(clamp((g.hi - g.lo) * r / QuantFormat<kFormat>::kValueRange, kFp16Tiny, kFp16Max));
+    if constexpr (kZerosAreBias<kFormat>) return {scale, fp16_round(clamp(g.lo * r, -kFp16Max, kFp16Max))};
     return {scale, fp16_round(-g.lo * r / scale)};
   } else {
     return {fp16_round(clamp(g.absmax * r / QuantFormat<kFormat>::kMaxValue, kFp16Tiny, kFp16Max)), 0.0f};

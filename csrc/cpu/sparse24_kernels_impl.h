@@ -159,8 +159,8 @@ constexpr int kPairTableFloats = 4 * 16;
 // Rows [0, MR) of the block, columns [col, col + kLanes * NV) of the strip.
 template <class Meta, int F, int MR, int NV, bool Dot>
 inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
-  // Dot uint4: q - zero is not exact in bf16, so the kept x are summed too
-  // (a dot with the pair (1, 1)) and zero * that sum is subtracted per group.
+  // Dot uint4 / affine: q - zero (q * scale + bias) is not exact in bf16, so the kept x are summed too
+  // (a dot with the pair (1, 1)) and the zero (bias) term applied per group (group_dot).
   constexpr bool KeptXSum = Dot && kHasZeros<F>;
   vf p[MR][NV], xs[KeptXSum ? MR : 1][NV];
   for (int i = 0; i < MR; ++i)
@@ -201,10 +201,11 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
     }
 #endif
     GemvWords w[NV];
-    vf zero[NV];
+    vf zero[NV], scale[NV];
     for (int v = 0; v < NV; ++v) {
       w[v] = gemv_prepare<F, false>(load(c.w + r * c.ldw + col + kLanes * v));
       zero[v] = kHasZeros<F> ? load(c.zero + col + kLanes * v) : vf{};
+      scale[v] = kZerosAreBias<F> ? load(c.scale + col + kLanes * v) : vf{};
     }
     const float* x = c.x + kSparseValueRows * r;
 #pragma GCC unroll 8
@@ -213,7 +214,9 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
       SlotIndex idx[NV];
       for (int v = 0; v < NV; ++v) {
         b[v] = gemv_value<F, false>(w[v], s);
-        if (kHasZeros<F>) b[v] -= zero[v];  // q - zero: a pruned weight is 0, not -zero
+        // q - zero, or the weight q * scale + bias: a pruned weight is 0, not -zero or bias
+        if (kZerosAreBias<F>) b[v] = group_weight<F>(b[v], scale[v], zero[v]);
+        else if (kHasZeros<F>) b[v] -= zero[v];
         idx[v] = slot_index((vi)((vu)meta[v] >> (4 * (s & 3) + 2 * (s >> 2))));
       }
       for (int i = 0; i < MR; ++i) {
@@ -232,8 +235,12 @@ inline vu sparse_gemv_micro(const SparseGemvChunk& c, int col) {
       }
       vf sum = p[i][v];
       if (FormatDecode<F>::kByteTable && !Dot) sum *= 0.5f;
-      if (KeptXSum) sum -= load(c.zero + col + kLanes * v) * xs[i][v];
-      store(c.acc + o, fmadd(load(c.scale + col + kLanes * v), sum, load(c.acc + o)));
+      if (kZerosAreBias<F> && !Dot) {  // weights with their scale and bias already
+        store(c.acc + o, load(c.acc + o) + sum);
+        continue;
+      }
+      const vf xsum = KeptXSum ? xs[i][v] : vf{}, zero = KeptXSum ? load(c.zero + col + kLanes * v) : vf{};
+      store(c.acc + o, group_dot<F>(load(c.acc + o), sum, xsum, load(c.scale + col + kLanes * v), zero));
     }
   }
   return bad;
@@ -492,8 +499,8 @@ vu sparse_dequant_tile(const Sparse24Args& a, int64_t k0, int64_t rows, int64_t 
       for (int b = 0; b < 4; ++b) {
         vf v0 = decode_nibble<F>(w, b), v1 = decode_nibble<F>(w, b + 4);
         if (!Pairs) {
-          v0 = kHasZeros<F> ? (v0 - z) * s : v0 * s;
-          v1 = kHasZeros<F> ? (v1 - z) * s : v1 * s;
+          v0 = group_weight<F>(v0, s, z);
+          v1 = group_weight<F>(v1, s, z);
         }
         const vi p0 = (m >> (4 * b)) & 3, p1 = (m >> (4 * b + 2)) & 3;
         // pos0 < pos1: row 0 can only be pos0, row 3 only pos1.

@@ -41,7 +41,7 @@ at::Tensor sparse24_gemm_cpu(const at::Tensor& x, const at::Tensor& values, cons
   out_sizes.back() = s.n;
   const at::Tensor x2 = x.reshape({-1, s.k}).to(at::kFloat).contiguous();
   // Builds with 2:4 bf16 pair kernels also take bf16 x as it is (x2 stays for the paths without).
-  const bool bf16_x = kern.sparse24_bf16_x && x.scalar_type() == at::kBFloat16;
+  const bool bf16_x = kern.sparse24_bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(s.format);
   const at::Tensor x_bf16 = bf16_x ? x.reshape({-1, s.k}).contiguous() : at::Tensor();
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));

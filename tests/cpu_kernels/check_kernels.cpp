@@ -47,9 +47,11 @@ double bf16_value(uint16_t b) {
   return f;
 }
 
-// The weight value of a code before scaling: E2M1 from its bit fields, int4 q - 8, uint4 q - zero.
+// The value of a code before the scale: E2M1 from its bit fields, int4 q - 8, uint4 q - zero,
+// nf4 its table value, affine q (its bias is added after the scale: weight_value).
 double code_value(int format, int code, double zero) {
   switch (format) {
+    case marlin::kAffine: return code;
     case marlin::kFp4: {
       const int e = (code >> 1) & 3, m = code & 1;
       const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
@@ -57,10 +59,24 @@ double code_value(int format, int code, double zero) {
     }
     case marlin::kInt4: return code - 8.0;
     case marlin::kUint4: return code - zero;
+    case marlin::kNf4: {
+      // bitsandbytes' NF4 values rounded to fp16, as fp16 bits (docs/FORMAT.md).
+      const uint16_t nf4[16] = {0xbc00, 0xb992, 0xb833, 0xb652, 0xb48d, 0xb1ea, 0xadd4, 0x0000,
+                                0x2d18, 0x3126, 0x33e0, 0x3568, 0x370d, 0x3880, 0x39c9, 0x3c00};
+      return half_value(nf4[code]);
+    }
   }
   printf("FAIL no reference decode for format %d\n", format);
   exit(1);
 }
+
+// The weight of a code with its group's scale and zero (for affine the bias).
+double weight_value(int format, int code, double scale, double zero) {
+  const double v = code_value(format, code, zero) * scale;
+  return marlin::zeros_are_bias(marlin::WeightFormat(format)) ? v + zero : v;
+}
+
+bool bf16_exact(int format) { return marlin::values_exact_in_bf16(marlin::WeightFormat(format)); }
 
 bool format_has_zeros(int format) { return marlin::has_zeros(marlin::WeightFormat(format)); }
 
@@ -104,7 +120,7 @@ struct Problem {
       for (int64_t j = 0; j < c.n; ++j) {
         const int64_t g = r / group_rows;
         const int code = int((uint32_t(packed[r / 8 * c.n + j]) >> (4 * (r % 8))) & 15);
-        w[r * c.n + j] = code_value(c.format, code, half_value(zeros[g * c.n + j])) * half_value(scales[g * c.n + j]);
+        w[r * c.n + j] = weight_value(c.format, code, half_value(scales[g * c.n + j]), half_value(zeros[g * c.n + j]));
       }
     }
   }
@@ -257,7 +273,7 @@ struct SparseProblem {
           const int code = int(next_u32() & 15);
           values[r * c.n + j] |= int32_t(uint32_t(code) << (4 * (b + 4 * slot)));
           const int64_t row = 4 * blk + pat[slot], g = row / d.group_rows;
-          w[row * c.n + j] = code_value(c.format, code, half_value(d.zeros[g * c.n + j])) * half_value(d.scales[g * c.n + j]);
+          w[row * c.n + j] = weight_value(c.format, code, half_value(d.scales[g * c.n + j]), half_value(d.zeros[g * c.n + j]));
         }
       }
     }
@@ -364,7 +380,8 @@ int main(int argc, char** argv) {
     const int before = failures;
     for (const Problem& p : problems) {
       for (bool bf16 : {false, true}) {
-        if (bf16 && !kern.bf16_x) continue;
+        // As the ops: bf16 x only to the formats whose values bf16 holds.
+        if (bf16 && !(kern.bf16_x && bf16_exact(p.c.format))) continue;
         char what[160];
         snprintf(what, sizeof(what), "%s %s x=%s m=%lld n=%lld k=%lld g=%lld", name.c_str(), format_name(p.c.format),
                  bf16 ? "bf16" : "fp32", (long long)p.c.m, (long long)p.c.n, (long long)p.c.k,
@@ -377,7 +394,7 @@ int main(int argc, char** argv) {
     for (const SparseProblem& sp : sparse) {
       const Case& c = sp.d.c;
       for (bool bf16 : {false, true}) {
-        if (bf16 && !kern.sparse24_bf16_x) continue;
+        if (bf16 && !(kern.sparse24_bf16_x && bf16_exact(c.format))) continue;
         char what[160];
         snprintf(what, sizeof(what), "%s 2:4 %s x=%s m=%lld n=%lld k=%lld g=%lld", name.c_str(),
                  format_name(c.format), bf16 ? "bf16" : "fp32", (long long)c.m, (long long)c.n, (long long)c.k,

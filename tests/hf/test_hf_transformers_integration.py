@@ -64,7 +64,7 @@ def test_quantize_on_load_respects_modules_to_not_convert(tiny_model_dir):
 
 def test_marlin_config_validates():
     with pytest.raises(ValueError, match="weight_format"):
-        MarlinConfig(weight_format="nf4")
+        MarlinConfig(weight_format="nf3")
     with pytest.raises(ValueError, match="group_size"):
         MarlinConfig(group_size=100)
     with pytest.raises(ValueError, match=r"quantizer must be one of \('mse', 'absmax'\), got 'gptq'"):

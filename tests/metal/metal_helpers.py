@@ -7,7 +7,7 @@ import torch
 from torch_marlin.formats import ACTIVATION_DTYPES as DTYPES  # noqa: F401  (re-exported to the tests)
 from torch_marlin.formats import GROUP_SIZES  # noqa: F401
 from torch_marlin.formats import WEIGHT_FORMATS as FORMATS  # noqa: F401
-from torch_marlin.formats import pack_codes
+from torch_marlin.formats import has_zeros, pack_codes  # noqa: F401  (has_zeros re-exported)
 SEEDS = (0, 1)  # two random emulator schedules per case
 
 # Max |metal - cpu| / max |cpu| for gemm. Both accumulate in fp32 (different
@@ -40,7 +40,7 @@ def make_weight(fmt, k, n, group_size, codes=None, gen=None):
         codes = torch.randint(0, 16, (k, n), generator=gen)
     packed = pack_codes(codes)
     scales = (torch.rand(groups, n, generator=gen) * 0.5 + 0.01).half()
-    zeros = (torch.rand(groups, n, generator=gen) * 15).half() if fmt == "uint4" else None
+    zeros = (torch.rand(groups, n, generator=gen) * 15).half() if has_zeros(fmt) else None
     return packed, scales, zeros
 
 

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.formats import E2M1_VALUES
+from torch_marlin.formats import E2M1_VALUES, NF4_BITSANDBYTES
 from torch_marlin.testing import run_metal
 from torch_marlin.testing.metal import run_metal_with_stats
 
-from metal_helpers import DTYPES, FORMATS, GROUP_SIZES, SEEDS, make_weight
+from metal_helpers import has_zeros, DTYPES, FORMATS, GROUP_SIZES, SEEDS, make_weight
 
 ALL_CODES = torch.arange(16)
 
@@ -29,15 +29,18 @@ def test_every_code_unit_scale(fmt, dtype):
     codes, packed = _every_code_weight(fmt)
     n = packed.shape[1]
     scales = torch.ones(1, n, dtype=torch.float16)
-    zeros = torch.zeros(1, n, dtype=torch.float16) if fmt == "uint4" else None
+    zeros = torch.zeros(1, n, dtype=torch.float16) if has_zeros(fmt) else None
     out = run_metal("dequantize", packed, scales, zeros, fmt, -1, dtype)
     if fmt == "fp4":
         expect = E2M1_VALUES[codes.long()]
     elif fmt == "int4":
         expect = codes.float() - 8
-    else:
+    elif fmt == "nf4":  # bitsandbytes' table rounded to fp16 (docs/FORMAT.md)
+        expect = torch.tensor(NF4_BITSANDBYTES, dtype=torch.float64).half().float()[codes.long()]
+    else:  # q (uint4 with zero 0, affine with bias 0)
         expect = codes.float()
     assert out.dtype == dtype
+    expect = expect.to(dtype).float()  # one rounding (nf4's values are not all exact in bf16)
     assert torch.equal(out.float(), expect)
     # sign bits too: fp4 code 0x8 is -0.0, code 0x0 is +0.0
     assert torch.equal(torch.signbit(out.float()), torch.signbit(expect))
@@ -54,7 +57,7 @@ def test_every_code_with_scales_and_zeros(fmt):
     n = packed.shape[1]
     scales = torch.tensor([2.0 ** e for e in range(-12, 12)] * 2, dtype=torch.float16)[:n].view(1, n)
     scales = scales * torch.tensor([1.0, -0.7734375, 1.5, 3.0 / 7.0] * (n // 4), dtype=torch.float16)
-    zeros = (torch.arange(n).view(1, n) * 0.3359375).half() if fmt == "uint4" else None
+    zeros = (torch.arange(n).view(1, n) * 0.3359375).half() if has_zeros(fmt) else None
     for dtype in DTYPES:
         ref = torch.ops.marlin.dequantize(packed, scales, zeros, fmt, -1, dtype)
         out = run_metal("dequantize", packed, scales, zeros, fmt, -1, dtype)

@@ -12,7 +12,7 @@ import torch
 import torch_marlin.ops  # noqa: F401
 from torch_marlin.testing.metal import library, metal_plan, run_metal_with_stats
 
-from metal_helpers import DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err
+from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err
 
 GEMV_MAX_PAIRS = 64  # csrc/core/metal_plan_experts.cpp kMoeGemvMaxPairs
 
@@ -20,7 +20,7 @@ GEMV_MAX_PAIRS = 64  # csrc/core/metal_plan_experts.cpp kMoeGemvMaxPairs
 def make_stack(fmt, experts, k, n, group_size, gen):
     parts = [make_weight(fmt, k, n, group_size, gen=gen) for _ in range(experts)]
     packed, scales = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-    zeros = torch.stack([p[2] for p in parts]) if fmt == "uint4" else None
+    zeros = torch.stack([p[2] for p in parts]) if has_zeros(fmt) else None
     return packed, scales, zeros
 
 
@@ -124,7 +124,7 @@ def test_plan_threshold_grid_and_every_kernel_reachable():
     seen = set()
     for dtype in DTYPES:
         for fmt in FORMATS:
-            zeros = scales if fmt == "uint4" else None
+            zeros = scales if has_zeros(fmt) else None
             for tokens, top_k in ((1, 8), (8, 8), (9, 8), (512, 8)):
                 x = torch.empty(tokens, 128, dtype=dtype, **meta)
                 ids = torch.empty(tokens, top_k, dtype=torch.long, **meta)

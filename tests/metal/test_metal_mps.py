@@ -6,7 +6,7 @@ import torch
 
 import torch_marlin.ops  # noqa: F401
 
-from metal_helpers import DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, make_weight, rel_err
+from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, make_weight, rel_err
 
 
 def _mps_ready():
@@ -106,4 +106,4 @@ def test_sparse24_on_device(fmt, dtype, m):
         deq = torch.ops.marlin.sparse24_dequantize(_to(values), _to(metadata), _to(scales), _to(zeros), fmt,
                                                    group_size, dtype).cpu()
         ref_deq = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, fmt, group_size, dtype)
-        assert rel_err(deq, ref_deq) <= (2.0 ** -10 if fmt == "uint4" else 0.0)
+        assert rel_err(deq, ref_deq) <= (2.0 ** -10 if has_zeros(fmt) else 0.0)

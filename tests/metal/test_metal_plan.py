@@ -7,14 +7,14 @@ import torch_marlin
 import torch_marlin.ops  # noqa: F401
 from torch_marlin.testing.metal import library, metal_plan, run_metal
 
-from metal_helpers import DTYPES, FORMATS, make_weight
+from metal_helpers import has_zeros, DTYPES, FORMATS, make_weight
 
 
 def _meta_weight(fmt, k, n, group_size):
     groups = 1 if group_size == -1 else k // group_size
     packed = torch.empty(k // 8, n, dtype=torch.int32, device="meta")
     scales = torch.empty(groups, n, dtype=torch.float16, device="meta")
-    zeros = torch.empty(groups, n, dtype=torch.float16, device="meta") if fmt == "uint4" else None
+    zeros = torch.empty(groups, n, dtype=torch.float16, device="meta") if has_zeros(fmt) else None
     return packed, scales, zeros
 
 

@@ -12,7 +12,7 @@ import torch_marlin.ops  # noqa: F401
 from torch_marlin.layouts import sparse24 as sp
 from torch_marlin.testing.metal import metal_plan, run_metal_with_stats
 
-from metal_helpers import DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, SEEDS, rel_err
+from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, SEEDS, rel_err
 
 N_TAIL = 83  # not a multiple of 4, 32 or 64
 # K per group size: multiples of 32 and of the group, not always of the 64-deep GEMM tile.
@@ -25,7 +25,7 @@ def make_sparse(fmt, k, n, group_size, gen):
     patterns = torch.tensor(sp.PATTERNS)[torch.randint(0, 6, (k // 4, n), generator=gen)]
     values, metadata = sp.pack_kept(kept, patterns.permute(0, 2, 1).reshape(k // 2, n))
     scales = (torch.rand(groups, n, generator=gen) * 0.5 + 0.01).half()
-    zeros = (torch.rand(groups, n, generator=gen) * 15).half() if fmt == "uint4" else None
+    zeros = (torch.rand(groups, n, generator=gen) * 15).half() if has_zeros(fmt) else None
     return values, metadata, scales, zeros
 
 
@@ -95,7 +95,7 @@ def test_every_pattern_and_code_through_gemm(fmt, m):
     values, metadata = sp.pack_kept(kept, positions)
     gen = torch.Generator().manual_seed(m)
     scales = (torch.rand(k // 16, n, generator=gen) + 0.5).half()
-    zeros = (torch.rand(k // 16, n, generator=gen) * 15).half() if fmt == "uint4" else None
+    zeros = (torch.rand(k // 16, n, generator=gen) * 15).half() if has_zeros(fmt) else None
     x = torch.nn.functional.one_hot(torch.arange(m) % k, k).float()
     dense = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, fmt, 16, torch.float32)
     for seed in SEEDS:
@@ -158,7 +158,7 @@ def test_gemv_runs_on_fewer_simdgroups():
 def _meta(m, n, k, fmt, gs, dtype=torch.float16):
     groups = 1 if gs == -1 else k // gs
     e = lambda *s, dt: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
-    zeros = e(groups, n, dt=torch.float16) if fmt == "uint4" else None
+    zeros = e(groups, n, dt=torch.float16) if has_zeros(fmt) else None
     return (e(m, k, dt=dtype), e(k // 16, n, dt=torch.int32), e(k // 32, n, dt=torch.int32),
             e(groups, n, dt=torch.float16), zeros, None, fmt, gs)
 

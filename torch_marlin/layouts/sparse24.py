@@ -209,9 +209,8 @@ def dequantize_sparse_reference(values, metadata, scales, zeros, weight_format: 
     v = formats.code_values(kept, weight_format).to(torch.float64)
     dense_rows = torch.arange(0, k, BLOCK, device=values.device).repeat_interleave(2).view(-1, 1) + positions.long()
     group = dense_rows // rows
-    if formats.has_zeros(weight_format):
-        v = v - zeros.to(torch.float64).gather(0, group)
-    v = v * scales.to(torch.float64).gather(0, group)
+    per_kept = lambda t: None if t is None else t.to(torch.float64).gather(0, group)
+    v = formats.value_format(weight_format).weights(v, per_kept(scales), per_kept(zeros))
     out = torch.zeros(k, n, dtype=torch.float64, device=values.device)
     return out.scatter_(0, dense_rows, v).to(dtype)
 
