@@ -73,6 +73,7 @@ DEVICE_CASES = {
     "device_threadgroup_flag": ("(?:read-write|write-read)", 64, None),  # mem_threadgroup: not device memory
     "device_mem_none": ("(?:read-write|write-read)", 64, None),          # mem_none: no memory
     "device_write_after_read": ("read-write", 64, None),
+    "device_own_read_back": ("write-write", 64, None),
     "device_simd_threadgroup_flag": ("(?:read-write|write-read)", 32, True),
 }
 

@@ -140,6 +140,16 @@ kernel void device_write_after_read(device float* y [[buffer(0)]], uint tid [[th
   mine[tid] = next;  // race: device_write_after_read
 }
 
+// a thread reads back its own store (not checked again: nothing can have changed), then a neighbour
+// overwrites the element: still reported
+kernel void device_own_read_back(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                                 uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  mine[tid] = float(tid);  // race: device_own_read_back
+  const float own = mine[tid];
+  mine[(tid + 1) % n] = own;  // race: device_own_read_back
+}
+
 // lanes of one simdgroup: a simdgroup_barrier with mem_threadgroup does not order device memory
 kernel void device_simd_threadgroup_flag(device float* y [[buffer(0)]], uint lane [[thread_index_in_simdgroup]],
                                          uint g [[threadgroup_position_in_grid]]) {

@@ -608,8 +608,9 @@ def _strict_clang(strict):
                                                                             if in_ci else ""))
     if info not in _warned:
         _warned.add(info)
-        warnings.warn(f"mslsim: {info}; the address-space and recursion checks of the strict pass are skipped "
-                      "(the other Metal restrictions are still checked)", MSLSimWarning, stacklevel=3)
+        warnings.warn(f"mslsim: {info}; the clang checks of the strict pass (address spaces, casts, variable-length "
+                      "arrays, recursion) are skipped (the other Metal restrictions are still checked)", MSLSimWarning,
+                      stacklevel=3)
     return None, None
 
 

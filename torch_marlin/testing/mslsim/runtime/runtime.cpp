@@ -130,8 +130,16 @@ inline uint32_t space_flag(int space) { return space == S_DEVICE ? MEM_DEVICE : 
 
 struct Fiber {
   void* sp = nullptr;
-  uint32_t vc[S_COUNT][32];  // race detection: vector clocks over the lanes of this simdgroup, per space
+  // Race detection: vector clocks over the lanes of this simdgroup, per memory space. The device clock is
+  // the threadgroup one (vc[S_THREADGROUP]) until a simdgroup_barrier orders one space only (clocks_split).
+  uint32_t vc[S_COUNT][32];
+  bool clocks_split = false;
   uint32_t barrier_flags = 0;  // mem_flags of the threadgroup_barrier it waits at
+  // Race detection: this thread's last checked access since it last ran after other threads (fibers switch
+  // only at barriers, collectives and yields, which clear it). Its bytes' shadow then holds nothing newer.
+  uintptr_t last_addr = 0;
+  size_t last_size = 0;
+  bool last_write = false;
   char* mem = nullptr;     // mmap base (guard page first)
   size_t memsize = 0;
   int tid = 0, sg = 0, lane = 0;
@@ -420,11 +428,26 @@ void start_race_threadgroup(Worker* w) {
   new_phases(w, MEM_THREADGROUP | MEM_DEVICE);
 }
 
+// The vector clock of a lane for accesses to a memory space.
+inline uint32_t* space_clock(Fiber* f, int space) {
+  return f->vc[space == S_DEVICE && f->clocks_split ? S_DEVICE : S_THREADGROUP];
+}
+
 // Lanes that took part in one simd collective / simdgroup_barrier are ordered, in the memory spaces of
-// mem_flags: join their clocks.
+// mem_flags: join their clocks. While no lane has split clocks, a sync of both spaces is one join.
 void race_sync(std::vector<Fiber*>& lanes, uint32_t mem_flags) {
-  for (int space = 0; space < S_COUNT; ++space) {
-    if (!(mem_flags & space_flag(space))) continue;
+  mem_flags &= MEM_THREADGROUP | MEM_DEVICE;
+  if (!mem_flags) return;
+  bool split = mem_flags != (MEM_THREADGROUP | MEM_DEVICE);
+  for (Fiber* g : lanes) split |= g->clocks_split;
+  if (split)
+    for (Fiber* g : lanes)
+      if (!g->clocks_split) {
+        memcpy(g->vc[S_DEVICE], g->vc[S_THREADGROUP], sizeof g->vc[S_DEVICE]);
+        g->clocks_split = true;
+      }
+  for (int space = 0; space < (split ? S_COUNT : 1); ++space) {
+    if (split && !(mem_flags & space_flag(space))) continue;
     uint32_t j[32] = {0};
     for (Fiber* g : lanes)
       for (int k = 0; k < 32; ++k) j[k] = std::max(j[k], g->vc[space][k]);
@@ -615,8 +638,10 @@ void run_threadgroup(Worker* w, uint64_t linear) {
     f->coll = nullptr;
     f->file = nullptr;
     f->line = 0;
+    f->last_size = 0;
     memset(f->vc, 0, sizeof f->vc);
     for (int space = 0; space < S_COUNT; ++space) f->vc[space][f->lane] = 1;
+    f->clocks_split = false;
     ThreadCtx& c = f->ctx;
     uint32_t lx = t % tx, ly = (t / tx) % ty, lz = t / (tx * ty);
     uint32_t lp[3] = {lx, ly, lz};
@@ -922,7 +947,7 @@ bool setup_buffers(Launch* L, std::string& err) {
     if (body == 0) body = kPage;
     g.region_size = kGuard + body + kGuard;
     // writable buffers go to the race-checked device pool (read-only ones cannot race)
-    g.region = g.readonly ? nullptr : dev_pool_alloc(g.region_size);
+    g.region = g.readonly || !a->check_races ? nullptr : dev_pool_alloc(g.region_size);
     g.pooled = g.region != nullptr;
     if (!g.region) {
       void* r = mmap(nullptr, g.region_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -1030,6 +1055,7 @@ void mslsim_tg_barrier(uint32_t mem_flags, const char* file, int line) {
   Fiber* f = w->cur;
   f->state = F_TG;
   f->barrier_flags = mem_flags;
+  f->last_size = 0;
   f->file = file;
   f->line = line;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
@@ -1043,6 +1069,7 @@ void mslsim_simd_collective(Coll* c, const char* file, int line) {
   c->lane = f->lane;
   f->coll = c;
   f->state = F_SIMD;
+  f->last_size = 0;
   f->file = file;
   f->line = line;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
@@ -1054,6 +1081,7 @@ void mslsim_yield(void) {
   Worker* w = t_worker;
   Fiber* f = w->cur;
   f->state = F_YIELD;
+  f->last_size = 0;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
   t_in_fiber = true;
 }
@@ -1142,16 +1170,17 @@ static std::string device_where(const Worker* w, uintptr_t addr) {
   return b;
 }
 
-// One access being checked: who, in which memory space and barrier interval.
+// One access being checked (for the report): who, in which memory space, where in the code.
 struct RaceAccess {
   Worker* w;
   Fiber* f;
   int space;
-  uint32_t phase, tid, clk, pc;
+  uint32_t pc;
   bool is_write;
 };
 
-[[noreturn]] static void race_report(const RaceAccess& r, uintptr_t addr, const Access& o, bool other_wrote) {
+[[noreturn]] __attribute__((noinline)) static void race_report(RaceAccess r, uintptr_t addr, Access o,
+                                                               bool other_wrote) {
   Worker* w = r.w;
   Fiber* f = r.f;
   Fiber* g = &w->fibers[o.tid];
@@ -1170,30 +1199,35 @@ struct RaceAccess {
   abort();
 }
 
-// Check one byte's access against its shadow cell and record it. Ordered: the other access is by this
-// thread, from an earlier barrier interval of the memory space, or by a lane of this simdgroup that has
-// synchronised (transitively) with this one since, in that space.
-static inline void race_cell(const RaceAccess& r, Cell& x, uintptr_t addr) {
-  auto unordered = [&](const Access& o) {
-    return o.phase == r.phase && o.tid != r.tid && ((int)o.tid / 32 != r.f->sg || r.f->vc[r.space][o.tid % 32] < o.clk);
-  };
-  if (unordered(x.w)) race_report(r, addr, x.w, true);
-  const Access me{r.phase, (uint16_t)r.tid, 0, r.clk, r.pc};
-  if (r.is_write) {
-    for (auto& o : x.r)
-      if (unordered(o)) race_report(r, addr, o, false);
-    x.w = me;
-    x.r[0].phase = x.r[1].phase = 0;
-  } else {
-    if (x.r[0].phase != r.phase || x.r[0].tid == r.tid) x.r[0] = me;
-    else x.r[1] = me;
-  }
-}
-
-static RaceAccess race_access_of(Worker* w, int space, int is_write, void* pcp) {
+// Check the current thread's access to n consecutive bytes at addr (memory space `space`) against their
+// shadow cells c and record it. Ordered: the other access is by this thread, from an earlier barrier
+// interval of the memory space, or by a lane of this simdgroup that has synchronised (transitively) with
+// this one since, in that space.
+__attribute__((always_inline)) static inline void race_check(Worker* w, int space, int is_write, void* pcp, Cell* c,
+                                                             size_t n, uintptr_t addr) {
   Fiber* f = w->cur;
-  return RaceAccess{w, f, space, w->phase[space], (uint32_t)f->tid, f->vc[space][f->lane],
-                    (uint32_t)((uintptr_t)pcp - w->L->lib_base), is_write != 0};
+  const uint32_t phase = w->phase[space], tid = (uint32_t)f->tid;
+  const int sg = f->sg;
+  const uint32_t* vc = space_clock(f, space);
+  const uint32_t pc = (uint32_t)((uintptr_t)pcp - w->L->lib_base);
+  auto unordered = [=](const Access& o) {
+    return o.phase == phase && o.tid != tid && ((int)o.tid / 32 != sg || vc[o.tid % 32] < o.clk);
+  };
+  const Access me{phase, (uint16_t)tid, 0, vc[f->lane], pc};
+  for (size_t i = 0; i < n; ++i) {
+    Cell& x = c[i];
+    if (unordered(x.w)) race_report(RaceAccess{w, f, space, pc, is_write != 0}, addr + i, x.w, true);
+    if (is_write) {
+      for (const Access& o : x.r)
+        if (unordered(o)) race_report(RaceAccess{w, f, space, pc, true}, addr + i, o, false);
+      x.w = me;
+      x.r[0].phase = x.r[1].phase = 0;
+    } else if (x.r[0].phase != phase || x.r[0].tid == tid) {
+      x.r[0] = me;
+    } else {
+      x.r[1] = me;
+    }
+  }
 }
 
 // The shadow cells of device-pool chunk idx for this threadgroup, or nullptr beyond the budget.
@@ -1214,20 +1248,32 @@ static Cell* device_chunk(DevShadow& d, size_t idx) {
   return c;
 }
 
+// The bytes were this thread's last access (a write, or a read now read again) and no other thread has run
+// since: the check would find and record nothing new (at most a newer code address of the same thread).
+static inline bool repeats_last_access(Fiber* f, uintptr_t addr, unsigned long size, int is_write) {
+  return addr >= f->last_addr && addr + size <= f->last_addr + f->last_size && (!is_write || f->last_write);
+}
+
+static inline void remember_access(Fiber* f, uintptr_t addr, unsigned long size, int is_write) {
+  f->last_addr = addr;
+  f->last_size = size;
+  f->last_write = is_write != 0;
+}
+
 // An access to a writable device buffer: checked against the other threads of this threadgroup only.
 static void device_race_access(uintptr_t addr, unsigned long size, int is_write, void* pcp) {
   Worker* w = t_worker;
-  if (!w || !w->race || !w->cur) return;
-  const RaceAccess r = race_access_of(w, S_DEVICE, is_write, pcp);
+  if (!w || !w->race || !w->cur || repeats_last_access(w->cur, addr, size, is_write)) return;
   const size_t off = addr - (uintptr_t)g_dev_pool;
   for (unsigned long i = 0; i < size;) {
     const size_t idx = (off + i) / kDevChunk, in = (off + i) % kDevChunk;
     const size_t n = std::min<size_t>(size - i, kDevChunk - in);
     Cell* c = device_chunk(*w->dev, idx);
     if (!c) return;
-    for (size_t k = 0; k < n; ++k) race_cell(r, c[in + k], addr + i + k);
+    race_check(w, S_DEVICE, is_write, pcp, c + in, n, addr + i);
     i += n;
   }
+  remember_access(w->cur, addr, size, is_write);
 }
 
 // Called by the kernel library for every access to the race-checked pool (before the access happens).
@@ -1239,13 +1285,12 @@ void mslsim_race_access(uintptr_t addr, unsigned long size, int is_write, void* 
   // threadgroup memory: the arena's owner (cheaper than the thread-local t_worker); only its fibers use it
   const size_t slot = (addr - (uintptr_t)g_pool) / kArenaSlot;
   Worker* w = slot < (size_t)kPoolSlots ? g_slots[slot].owner : nullptr;
-  if (!w || !w->race || !w->cur) return;
+  if (!w || !w->race || !w->cur || repeats_last_access(w->cur, addr, size, is_write)) return;
   size_t off = addr - (uintptr_t)w->arena;
   if (off >= kArenaUse) return;  // beyond Apple's limit (reported as over budget)
   if (off + size > kArenaUse) size = kArenaUse - off;
-  const RaceAccess r = race_access_of(w, S_THREADGROUP, is_write, pcp);
-  Cell* c = w->shadow + off;
-  for (unsigned long i = 0; i < size; ++i) race_cell(r, c[i], addr + i);
+  race_check(w, S_THREADGROUP, is_write, pcp, w->shadow + off, size, addr);
+  remember_access(w->cur, addr, size, is_write);
 }
 
 int mslsim_abi_version(void) { return MSLSIM_ABI_VERSION; }
