@@ -23,6 +23,10 @@ struct Sink {
   thread float* p;
   void set(thread float* q) { p = q; }
 };
+// a template with a default argument and an operator just before the program-scope cases: the scan
+// of the declarations must not swallow the next one
+template <typename T, int N = 4> inline T scaled_by(T v) { return v * T(N); }
+inline Sink& operator+=(thread Sink& s, thread float* q) { s.p = q; return s; }
 #if CASE_PROGRAM_SCOPE_DEVICE
 device float g_bias = 1.0f;  // expect: program_scope_device
 #endif

@@ -250,16 +250,32 @@ def _strip_groups(s: str) -> str:
 
 
 def _without_parens(s: str) -> str:
+    """Parenthesised groups blanked (same length)."""
     while True:
-        t = re.sub(r"\([^()]*\)", " ", s)
+        t = re.sub(r"\([^()]*\)", lambda m: _blank(m.group(0)), s)
         if t == s:
             return s
         s = t
 
 
+def _without_template_head(s: str) -> str:
+    """`template <...> rest` -> `rest` (default template arguments may hold `=` and parentheses)."""
+    m = re.match(r"\s*template\s*<", s)
+    if not m:
+        return s
+    depth, flat = 1, _without_parens(s)  # parentheses hide comparisons such as `(N > 2)`
+    for i in range(m.end(), len(flat)):
+        depth += {"<": 1, ">": -1}.get(flat[i], 0)
+        if depth == 0:
+            return _without_template_head(s[i + 1:])
+    return s
+
+
 def _is_function_head(head: str) -> bool:
     """The text before a `{` at namespace scope opens a function body (not a class or an initializer)."""
-    bare = _strip_groups(head)
+    bare = _without_template_head(_strip_groups(head))
+    if re.search(r"\boperator\b", bare):
+        return True
     return "(" in bare and "=" not in _without_parens(bare)  # not `T x = {...}` / `T x = f({...})`
 
 
