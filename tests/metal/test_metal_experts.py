@@ -6,11 +6,14 @@ then the combining epilogue) under two random emulator schedules.
 Tolerance: max |metal - cpu| / max |cpu| <= GEMM_TOL[dtype] (metal_helpers.py).
 """
 
+import shutil
+
 import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.testing.metal import library, metal_plan, run_metal_with_stats
+from torch_marlin.testing import mslsim
+from torch_marlin.testing.metal import library, metal_dir, metal_plan, run_metal_with_stats
 
 from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err
 
@@ -82,6 +85,25 @@ def test_routing_edge_cases(path_tokens):
     for i, (name, ids) in enumerate(cases.items()):
         check("fp4" if i % 2 else "int4", torch.float32, ids, 96, 40, 32, seed=i, experts=e)
     check("uint4", torch.float16, torch.tensor([[6, 2]]), 96, 40, 32, seed=9, experts=e)  # T = 1
+
+
+def test_routing_needs_its_device_memory_barriers(tmp_path, monkeypatch):
+    """The routing kernel hands its per-expert counts from thread to thread through device memory: with its
+    barriers weakened to mem_threadgroup (which orders threadgroup memory only) the emulator reports the race
+    (docs/MSLSIM.md, "Race detection"); as written, the grouped path passes (test above)."""
+    src = (metal_dir() / "moe.metal").read_text()
+    if "mem_flags::mem_device" not in src:
+        pytest.skip("moe.metal orders no device memory between its threads")
+    shutil.copytree(metal_dir(), tmp_path / "metal")
+    (tmp_path / "metal" / "moe.metal").write_text(src.replace("mem_flags::mem_device", "mem_flags::mem_threadgroup"))
+    monkeypatch.setenv("TORCH_MARLIN_METAL_DIR", str(tmp_path / "metal"))
+    gen = torch.Generator().manual_seed(2)
+    packed, scales, zeros = make_stack("int4", 5, 64, 40, 32, gen)
+    ids = routed(40, 2, 5, gen)  # 80 pairs: routing + grouped GEMM
+    with pytest.raises(mslsim.MSLSimError, match=r"kernel 'marlin_moe_route': device memory race .* of buffer\(\d+\)"
+                                                 r".*not ordered by a threadgroup_barrier with mem_flags::mem_device"):
+        run_metal_with_stats("moe_gemm", torch.randn(40, 64, generator=gen), ids, None, packed, scales, zeros,
+                             None, "int4", 32)
 
 
 def test_empty_input_launches_nothing():

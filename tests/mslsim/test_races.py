@@ -23,12 +23,35 @@ def _race_lines(kernel):
         return [i for i, ln in enumerate(f, 1) if ln.rstrip().endswith(f"// race: {kernel}")]
 
 
+def check_report(msg, kernel, memory, place, kind, same_simdgroup):
+    """The race report names both threads and both source lines (marked `// race: kernel` in races.metal),
+    the conflict kind and the memory (place: how the byte is named); the simdgroup hint only where a
+    simdgroup sync would have ordered the two."""
+    thread = r"thread (\d+) \(simdgroup (\d+) lane \d+\) of threadgroup \(\d,0,0\)"
+    flag = {"threadgroup": "mem_flags::mem_threadgroup", "device": "mem_flags::mem_device"}[memory]
+    m = re.search(rf"{memory} memory race \({kind}\) on byte \d+ of {place}: {thread} (?:reads|writes) it at "
+                  rf".*races\.metal:(\d+) and {thread} (?:reads|writes) it at .*races\.metal:(\d+) in the same "
+                  rf"barrier interval; the accesses are not ordered by a threadgroup_barrier with {flag}", msg)
+    assert m, msg
+    t1, sg1, line1, t2, sg2, line2 = m.groups()
+    assert t1 != t2
+    if same_simdgroup is not None:
+        assert (sg1 == sg2) == same_simdgroup, msg
+    assert (f"or, within the simdgroup, by a simdgroup_barrier with {flag} or a simd collective" in msg) == (
+        sg1 == sg2), msg
+    lines = _race_lines(kernel)
+    assert {int(line1), int(line2)} <= set(lines), (lines, msg)
+    if len(lines) > 1:
+        assert line1 != line2, msg
+
+
 # kernel, conflict kinds, threads per threadgroup, both threads in one simdgroup (None: either)
 RACES_CASES = {
     "write_write": ("write-write", 32, True),                  # two plain stores in one barrier interval
     "read_write": ("(?:read-write|write-read)", 256, None),    # a neighbour's value read without a barrier
     "simd_unsynced": ("(?:read-write|write-read)", 32, True),  # lanes of one simdgroup, no simdgroup sync
     "cross_simdgroup": ("(?:read-write|write-read)", 64, False),  # simdgroup_barrier across simdgroups
+    "threadgroup_mem_none": ("(?:read-write|write-read)", 64, None),  # mem_none orders no memory
 }
 
 
@@ -39,22 +62,43 @@ def test_race_is_reported(lib, kernel, schedule, seed):
     args = {0: torch.randn(n), 1: torch.zeros(n)} if kernel == "read_write" else {0: torch.zeros(n)}
     with pytest.raises(mslsim.MSLSimError) as e:
         lib.launch(kernel, grid=(2,), threadgroup=(n,), args=args, schedule=schedule, seed=seed)
-    msg = str(e.value)
-    thread = r"thread (\d+) \(simdgroup (\d+) lane \d+\) of threadgroup \(\d,0,0\)"
-    m = re.search(rf"threadgroup memory race \({kind}\) on byte \d+ of the threadgroup variable declared at "
-                  rf".*races\.metal:\d+: {thread} (?:reads|writes) it at .*races\.metal:(\d+) and {thread} "
-                  rf"(?:reads|writes) it at .*races\.metal:(\d+) in the same barrier interval", msg)
-    assert m, msg
-    t1, sg1, line1, t2, sg2, line2 = m.groups()
-    assert t1 != t2
-    if same_simdgroup is not None:
-        assert (sg1 == sg2) == same_simdgroup, msg
-    # the simdgroup hint only where a simdgroup sync would have ordered the two
-    assert ("or, within the simdgroup, by a simdgroup_barrier or simd collective" in msg) == (sg1 == sg2), msg
-    lines = _race_lines(kernel)
-    assert {int(line1), int(line2)} <= set(lines), (lines, msg)
-    if len(lines) > 1:
-        assert line1 != line2, msg
+    check_report(str(e.value), kernel, "threadgroup", r"the threadgroup variable declared at .*races\.metal:\d+",
+                 kind, same_simdgroup)
+
+
+# Device memory within a threadgroup (each threadgroup uses its own part of buffer(0)): kernel, conflict
+# kinds, threads per threadgroup, both threads in one simdgroup (None: either)
+DEVICE_CASES = {
+    "device_no_barrier": ("(?:read-write|write-read)", 64, None),
+    "device_threadgroup_flag": ("(?:read-write|write-read)", 64, None),  # mem_threadgroup: not device memory
+    "device_mem_none": ("(?:read-write|write-read)", 64, None),          # mem_none: no memory
+    "device_write_after_read": ("read-write", 64, None),
+    "device_own_read_back": ("write-write", 64, None),
+    "device_simd_threadgroup_flag": ("(?:read-write|write-read)", 32, True),
+}
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+@pytest.mark.parametrize("kernel", sorted(DEVICE_CASES))
+def test_device_memory_race_is_reported(lib, kernel, schedule, seed):
+    kind, n, same_simdgroup = DEVICE_CASES[kernel]
+    with pytest.raises(mslsim.MSLSimError) as e:
+        lib.launch(kernel, grid=(2,), threadgroup=(n,), args={0: torch.zeros(2 * 2 * n)}, schedule=schedule,
+                   seed=seed)
+    check_report(str(e.value), kernel, "device", r"buffer\(0\)", kind, same_simdgroup)
+
+
+@pytest.mark.parametrize("schedule,seed", SCHEDULES)
+def test_device_memory_ordered_by_mem_device(lib, schedule, seed):
+    n = 64
+    y = torch.zeros(2 * 2 * n)
+    lib.launch("device_ordered_ok", grid=(2,), threadgroup=(n,), args={0: y}, schedule=schedule, seed=seed)
+    tid = torch.arange(n)
+    second = ((tid + 1) % n).float() + 1  # mine[n + tid] after the second phase (+ mine[n] == 0)
+    for g in range(2):
+        mine = y[g * 2 * n:(g + 1) * 2 * n]
+        assert torch.equal(mine[n:], second)
+        assert torch.equal(mine[:n], second[(tid // 32) * 32 + (tid % 32 ^ 1)])
 
 
 def test_check_races_false_turns_it_off(lib):

@@ -2,6 +2,8 @@
 rule, each error naming its .metal line) and keeps accepting valid MSL."""
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -46,6 +48,10 @@ ADDRESS_SPACE_CASES = {
     "as_member_this": r"object parameter of type 'const Counter' with an expression of type 'device Counter'",
     "as_member_param": r"'float \*' with an lvalue of type 'device float \*'",
     "as_simdgroup_load": r"simdgroup_load.*'const (device|threadgroup) float \*'.* 'float \*'",
+    # a C-style cast compiles in clang's C++ (as an addrspacecast), Metal has no such conversion
+    "as_c_cast": r"cast of a device pointer to a thread pointer: Metal does not convert pointers between address",
+    "as_c_cast_threadgroup": r"cast of a threadgroup pointer to a device pointer",
+    "vla": r"variable length arrays are not supported in Metal",
 }
 
 
@@ -53,6 +59,76 @@ ADDRESS_SPACE_CASES = {
 @pytest.mark.parametrize("case", sorted(ADDRESS_SPACE_CASES))
 def test_address_space_mismatch(case):
     _reject(case, ADDRESS_SPACE_CASES[case])
+
+
+@pytest.mark.parametrize("case,pattern", [
+    ("program_scope_device", r"program-scope variable 'g_bias' is not in the constant address space"),
+    ("program_scope_constexpr", r"program-scope variable 'kScale' is not in the constant address space"),
+    ("program_scope_threadgroup", r"program-scope threadgroup variable 'g_tile'; Metal requires threadgroup "
+                                  r"variables to be declared inside a kernel function"),
+    ("kernel_return", r"kernel 'returns_value' returns 'float'; Metal requires kernel functions to return void"),
+    ("builtin_float", r"kernel 'builtin_float': parameter 'i' has type 'float', which Metal does not allow for "
+                      r"\[\[thread_position_in_grid\]\] \(uint, uint2, uint3, ushort, ushort2 or ushort3\)"),
+    ("builtin_int", r"parameter 'lane' has type 'int', .*\[\[thread_index_in_simdgroup\]\] \(uint or ushort\)"),
+    ("builtin_vector", r"parameter 'tid' has type 'uint2', .*\[\[thread_index_in_threadgroup\]\] "
+                       r"\(uint or ushort\)"),
+])
+def test_program_scope_kernel_and_builtin_rules(case, pattern):
+    _reject(case, pattern)
+
+
+def test_program_scope_threadgroup_variable_is_an_error_not_a_crash():
+    # It used to crash the process when the library was loaded (its storage was allocated outside any
+    # threadgroup); the emulator cannot run it even with the strict check off. In a subprocess, so a
+    # crash fails this test instead of ending the test session.
+    code = (f"from torch_marlin.testing import mslsim\n"
+            f"for strict in (None, False):\n"
+            f"    try:\n"
+            f"        mslsim.compile({BROKEN!r}, defines={{'CASE_PROGRAM_SCOPE_THREADGROUP': 1}}, strict=strict)\n"
+            f"    except mslsim.MSLSimError as e:\n"
+            f"        print('MSLSimError:', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    line = _expected_lines("program_scope_threadgroup")[0]
+    errors = [ln for ln in r.stdout.splitlines() if ln.startswith("MSLSimError:")]
+    assert len(errors) == 2 and all(f"strict_broken.metal:{line}: error: program-scope threadgroup variable"
+                                    in e for e in errors), r.stdout
+
+
+def test_valid_program_scope_casts_and_builtins_are_accepted():
+    # the near misses of the rules above, compiled with the whole check and run
+    lib = mslsim.compile("""#include <metal_stdlib>
+using namespace metal;
+constant float kTable[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+constant constexpr uint kCount = 4;
+static constant constexpr const int kTwo = 2;
+constant float4 kBrace{1.0f, 2.0f, 3.0f, 4.0f};
+struct Scale;
+struct Scale { float s; float apply(float v) const { return s * v; } };
+enum class Mode : uint { kAdd = 0, kMul = 1 };
+inline float scaled(float v, float s = float(kTwo)) { return v * s; }
+kernel void near_misses(device float* y [[buffer(0)]], device uint* raw [[buffer(1)]],
+                        ushort lane [[thread_index_in_simdgroup]], const uint tid [[thread_index_in_threadgroup]],
+                        uint2 pos [[thread_position_in_grid]], ushort3 tg [[threads_per_threadgroup]]) {
+  threadgroup float shared[16];
+  float local[kCount];                                          // a constant array size
+  for (uint i = 0; i < kCount; ++i) local[i] = kTable[i];
+  shared[tid] = local[tid % kCount];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const threadgroup float4* v4 = (const threadgroup float4*)shared;  // a cast within one address space
+  device uchar* bytes = (device uchar*)(raw + tid);                   // likewise in device memory
+  bytes[0] = uchar(lane);
+  const Scale sc{0.5f};
+  y[tid] = sc.apply(scaled(v4[tid / 4][tid % 4])) + kBrace[tid % 4] + float(pos.x) + float(tg.x);
+}
+""", strict=True if HAVE_CLANG else None)
+    y, raw = torch.zeros(16), torch.zeros(16, dtype=torch.int32)
+    lib.launch("near_misses", grid=(1,), threadgroup=(16,), args={0: y, 1: raw})
+    table = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    tid = torch.arange(16)
+    torch.testing.assert_close(y, table[tid % 4] + table[tid % 4] + tid.float() + 16)
+    assert torch.equal(raw, tid.int())
 
 
 @pytest.mark.parametrize("case,pattern", [

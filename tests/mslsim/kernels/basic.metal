@@ -74,10 +74,15 @@ kernel void simd_ops(device const float* x [[buffer(0)]],
   out[8 * 32 + lane] = simd_prefix_inclusive_sum(v);
   simdgroup_barrier(mem_flags::mem_none);
   bool big = v > 0.0f;
-  bits[0] = uint(uint64_t(simd_ballot(big)));
-  bits[1] = simd_all(big) ? 1 : 0;
-  bits[2] = simd_any(big) ? 1 : 0;
-  bits[3] = simd_all(true) ? 1 : 0;
+  // every lane takes part in the votes; one lane stores them (stores of all lanes would race)
+  const uint ballot = uint(uint64_t(simd_ballot(big)));
+  const uint all_big = simd_all(big) ? 1 : 0, any_big = simd_any(big) ? 1 : 0, all_true = simd_all(true) ? 1 : 0;
+  if (lane == 0) {
+    bits[0] = ballot;
+    bits[1] = all_big;
+    bits[2] = any_big;
+    bits[3] = all_true;
+  }
   // a returned lane no longer takes part
   if (lane >= 16) return;
   out[9 * 32 + lane] = simd_sum(v);

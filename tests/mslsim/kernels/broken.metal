@@ -97,5 +97,6 @@ kernel void div_zero(device int* y [[buffer(0)]], constant int& d [[buffer(1)]],
 kernel void big_stack(device float* y [[buffer(0)]], constant int& n [[buffer(1)]], uint i [[thread_position_in_grid]]) {
   float big[100000];   // 400 KB of thread memory
   for (int k = 0; k < n; ++k) big[k] = y[k % 4] * k;
+  threadgroup_barrier(mem_flags::mem_device);  // every thread has read y before any writes it
   y[i] = big[n - 1 - i];
 }

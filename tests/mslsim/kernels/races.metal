@@ -92,3 +92,85 @@ kernel void double_buffer_ok(device const float* x [[buffer(0)]], device float* 
   }
   y[tid] = acc;
 }
+
+// ------------------------------------------------------------- barrier flags
+// a barrier orders only the memory its mem_flags name: mem_none is an execution barrier
+kernel void threadgroup_mem_none(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                                 uint n [[threads_per_threadgroup]]) {
+  threadgroup float buf[256];
+  buf[tid] = float(tid);  // race: threadgroup_mem_none
+  threadgroup_barrier(mem_flags::mem_none);
+  y[tid] = buf[(tid + 1) % n];  // race: threadgroup_mem_none
+}
+
+// ------------------------------------------- device memory within a threadgroup
+// Each threadgroup works on its own 2n floats of y (races between threadgroups are not checked).
+// A neighbour's element read without a barrier.
+kernel void device_no_barrier(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                              uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  mine[tid] = float(tid);               // race: device_no_barrier
+  mine[n + tid] = mine[(tid + 1) % n];  // race: device_no_barrier
+}
+
+// mem_threadgroup orders threadgroup memory only
+kernel void device_threadgroup_flag(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                                    uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  mine[tid] = float(tid);  // race: device_threadgroup_flag
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  mine[n + tid] = mine[(tid + 1) % n];  // race: device_threadgroup_flag
+}
+
+// mem_none orders nothing
+kernel void device_mem_none(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                            uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  mine[tid] = float(tid);  // race: device_mem_none
+  threadgroup_barrier(mem_flags::mem_none);
+  mine[n + tid] = mine[(tid + 1) % n];  // race: device_mem_none
+}
+
+// a read, then another thread's write of the same element (write after read)
+kernel void device_write_after_read(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                                    uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  const float next = mine[(tid + 1) % n];  // race: device_write_after_read
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  mine[tid] = next;  // race: device_write_after_read
+}
+
+// a thread reads back its own store (not checked again: nothing can have changed), then a neighbour
+// overwrites the element: still reported
+kernel void device_own_read_back(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                                 uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 2 * n;
+  mine[tid] = float(tid);  // race: device_own_read_back
+  const float own = mine[tid];
+  mine[(tid + 1) % n] = own;  // race: device_own_read_back
+}
+
+// lanes of one simdgroup: a simdgroup_barrier with mem_threadgroup does not order device memory
+kernel void device_simd_threadgroup_flag(device float* y [[buffer(0)]], uint lane [[thread_index_in_simdgroup]],
+                                         uint g [[threadgroup_position_in_grid]]) {
+  device float* mine = y + g * 64;
+  mine[lane] = float(lane);  // race: device_simd_threadgroup_flag
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  mine[32 + lane] = mine[lane ^ 1];  // race: device_simd_threadgroup_flag
+}
+
+// race free: device memory ordered by barriers with mem_device (alone or with other flags), between the
+// lanes of a simdgroup by a simdgroup_barrier with mem_device; an element all threads only read
+kernel void device_ordered_ok(device float* y [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],
+                              uint n [[threads_per_threadgroup]], uint g [[threadgroup_position_in_grid]],
+                              uint lane [[thread_index_in_simdgroup]], uint sg [[simdgroup_index_in_threadgroup]]) {
+  device float* mine = y + g * 2 * n;
+  mine[n + tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_device);
+  const float a = mine[n + (tid + 1) % n] + mine[n];
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);  // reads before the writes
+  mine[n + tid] = a;
+  mine[n + tid] += 1.0f;  // the same thread may read and write its own element
+  simdgroup_barrier(mem_flags::mem_device);
+  mine[tid] = mine[n + sg * 32 + (lane ^ 1)];
+}

@@ -23,6 +23,19 @@ struct Sink {
   thread float* p;
   void set(thread float* q) { p = q; }
 };
+// a template with a default argument and an operator just before the program-scope cases: the scan
+// of the declarations must not swallow the next one
+template <typename T, int N = 4> inline T scaled_by(T v) { return v * T(N); }
+inline Sink& operator+=(thread Sink& s, thread float* q) { s.p = q; return s; }
+#if CASE_PROGRAM_SCOPE_DEVICE
+device float g_bias = 1.0f;  // expect: program_scope_device
+#endif
+#if CASE_PROGRAM_SCOPE_CONSTEXPR
+constexpr float kScale = 2.0f;  // expect: program_scope_constexpr
+#endif
+#if CASE_PROGRAM_SCOPE_THREADGROUP
+threadgroup float g_tile[64];  // expect: program_scope_threadgroup
+#endif
 
 kernel void strict_case(device float* x [[buffer(0)]],
                         constant float* c [[buffer(1)]],
@@ -72,6 +85,19 @@ kernel void strict_case(device float* x [[buffer(0)]],
 #if CASE_AS_SIMDGROUP_LOAD
   simdgroup_matrix<float, 8, 8> m;
   simdgroup_load(m, local, 2);  // expect: as_simdgroup_load
+#endif
+#if CASE_AS_C_CAST
+  thread float* cast = (thread float*)x;  // expect: as_c_cast
+  y += cast[0];
+#endif
+#if CASE_AS_C_CAST_THREADGROUP
+  device float* shared_as_device = (device float*)buf;  // expect: as_c_cast_threadgroup
+  y += shared_as_device[0];
+#endif
+#if CASE_VLA
+  float scratch[tid + 1];  // expect: vla
+  scratch[tid] = y;
+  y = scratch[tid];
 #endif
 #if CASE_DOUBLE
   double d = y;  // expect: double
@@ -124,6 +150,30 @@ kernel void ref_no_as(device float* x [[buffer(0)]],
                       uint& n [[buffer(1)]],  // expect: kernel_reference_no_as
                       uint i [[thread_position_in_grid]]) {
   x[i] = float(n);
+}
+#endif
+#if CASE_KERNEL_RETURN
+kernel float returns_value(device float* x [[buffer(0)]],  // expect: kernel_return
+                           uint i [[thread_position_in_grid]]) {
+  return x[i];
+}
+#endif
+#if CASE_BUILTIN_FLOAT
+kernel void builtin_float(device float* x [[buffer(0)]],
+                          float i [[thread_position_in_grid]]) {  // expect: builtin_float
+  x[uint(i)] = 1.0f;
+}
+#endif
+#if CASE_BUILTIN_INT
+kernel void builtin_int(device float* x [[buffer(0)]],
+                        int lane [[thread_index_in_simdgroup]]) {  // expect: builtin_int
+  x[lane] = 1.0f;
+}
+#endif
+#if CASE_BUILTIN_VECTOR
+kernel void builtin_vector(device float* x [[buffer(0)]],
+                           uint2 tid [[thread_index_in_threadgroup]]) {  // expect: builtin_vector
+  x[tid.x] = 1.0f;
 }
 #endif
 #if CASE_VIRTUAL

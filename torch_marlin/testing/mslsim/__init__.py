@@ -181,6 +181,9 @@ class LaunchStats:
 
 # type codes from fn_traits::info1 field 3
 _TC_OTHER, _TC_INT, _TC_UINT, _TC_FLOAT, _TC_HALF, _TC_BFLOAT, _TC_BOOL = range(7)
+# fn_traits::info1 fields of a parameter: size, const, pass by (value/pointer/reference), type code,
+# components (1 scalar, N vec<T, N>), element type code, element size
+_N_PINFO = 7
 
 
 def _pack_scalar(value, size, tcode, what):
@@ -258,7 +261,7 @@ class Library:
             pinfo = getattr(self._dll, f"mslsim_pinfo_{i}")
             pinfo.restype = ctypes.c_longlong
             pinfo.argtypes = [ctypes.c_int, ctypes.c_int]
-            infos = [tuple(pinfo(j, f) for f in range(4)) for j in range(len(k.params))]
+            infos = [tuple(pinfo(j, f) for f in range(_N_PINFO)) for j in range(len(k.params))]
             self._kernels[k.name] = (k, thunk, infos)
         self._fc_set = self._dll.mslsim_fc_set
         self._fc_set.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
@@ -280,7 +283,7 @@ class Library:
         for bn, bi in _frontend.BUILTINS.items():
             builtin_names.setdefault(bi, bn)
         out = []
-        for p, (size, is_const, ptrkind, _tc) in zip(k.params, infos):
+        for p, (size, is_const, ptrkind, *_) in zip(k.params, infos):
             d = {"name": p.name, "kind": kinds[p.kind]}
             if p.kind == _frontend.K_BUILTIN:
                 d["builtin"] = builtin_names[p.index]
@@ -345,7 +348,7 @@ class Library:
         nb = 0
         used_buf = set()
         buffer_bytes = {}
-        for p, (size, is_const, ptrkind, tcode) in zip(k.params, infos):
+        for p, (size, is_const, ptrkind, tcode, *_) in zip(k.params, infos):
             if p.kind == _frontend.K_TG:
                 if p.index not in tgmem:
                     raise MSLSimError(f"{pre}: parameter '{p.name}' is [[threadgroup({p.index})]] but "
@@ -576,11 +579,16 @@ def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # n
         with open(strict_ok, "w"):
             pass
     with _lib_cache_lock:
-        if check and strict_ok:
-            _strict_done.add(key)
         lib = _lib_cache.get(key)
         if lib is None:
             lib = _lib_cache[key] = Library(so, parsed, name)
+    if check:  # the types of built-in parameters, from the compiled library
+        errors = _strict.builtin_type_errors((k, infos) for k, _, infos in lib._kernels.values())
+        if errors:
+            raise MSLSimError(_rejected(name, errors))
+    with _lib_cache_lock:
+        if check and strict_ok:
+            _strict_done.add(key)
     return lib
 
 
@@ -605,8 +613,9 @@ def _strict_clang(strict):
                                                                             if in_ci else ""))
     if info not in _warned:
         _warned.add(info)
-        warnings.warn(f"mslsim: {info}; the address-space and recursion checks of the strict pass are skipped "
-                      "(the other Metal restrictions are still checked)", MSLSimWarning, stacklevel=3)
+        warnings.warn(f"mslsim: {info}; the clang checks of the strict pass (address spaces, casts, variable-length "
+                      "arrays, recursion) are skipped (the other Metal restrictions are still checked)", MSLSimWarning,
+                      stacklevel=3)
     return None, None
 
 

@@ -44,6 +44,8 @@ class Param:
     kind: int
     index: int
     fc_guard: str | None = None  # [[function_constant(x)]] on the parameter
+    where: str = ""              # file:line of the parameter
+    builtin: str = ""            # the built-in attribute's name
 
 
 @dataclass
@@ -73,14 +75,10 @@ class Parsed:
 def _match_paren(s: str, i: int, open_c="(", close_c=")") -> int:
     """s[i] == open_c; return index of the matching close."""
     depth = 0
-    for j in range(i, len(s)):
-        c = s[j]
-        if c == open_c:
-            depth += 1
-        elif c == close_c:
-            depth -= 1
-            if depth == 0:
-                return j
+    for m in re.compile(re.escape(open_c) + "|" + re.escape(close_c)).finditer(s, i):
+        depth += 1 if m.group() == open_c else -1
+        if depth == 0:
+            return m.start()
     raise FrontendError("unbalanced '%s'" % open_c)
 
 
@@ -159,6 +157,7 @@ def _parse_params(text: str, start: int, end: int, kname: str, strict: bool) -> 
         pname = m.group(1) if m else "?"
         kind = index = None
         guard = None
+        builtin = ""
         for a in attrs:
             for item in _split_top(a):
                 item = item.strip()
@@ -174,7 +173,7 @@ def _parse_params(text: str, start: int, end: int, kname: str, strict: bool) -> 
                 elif key == "function_constant":
                     guard = arg.strip()
                 elif key in BUILTINS:
-                    kind, index = K_BUILTIN, BUILTINS[key]
+                    kind, index, builtin = K_BUILTIN, BUILTINS[key], key
                 elif key in ("stage_in", "texture", "sampler", "payload", "mesh"):
                     raise FrontendError(f"{ploc}: kernel '{kname}': parameter '{pname}' uses [[{key}]], "
                                         "which mslsim does not support")
@@ -189,7 +188,7 @@ def _parse_params(text: str, start: int, end: int, kname: str, strict: bool) -> 
             raise FrontendError(f"{ploc}: error: kernel '{kname}': pointer / reference parameter '{pname}' has "
                                 f"{what}; Metal requires device, constant or threadgroup on kernel pointer and "
                                 "reference parameters")
-        params.append(Param(pname, p, kind, index, guard))
+        params.append(Param(pname, p, kind, index, guard, ploc, builtin))
     return params
 
 
@@ -219,7 +218,143 @@ def _strcat(lits: str) -> str:
     return "".join(re.findall(r'"([^"]*)"', lits))
 
 
-_KDEF_RE = re.compile(r"(\[\[\s*kernel\b[^\[\]]*\]\]|\bkernel\b)\s*((?:\[\[(?:[^\[\]]|\[[^\[\]]*\])*?\]\]\s*)*)void\s+(\w+)\s*\(")
+# kernel definitions: the kernel qualifier, attributes, the return type (Metal requires void), the name
+_KDEF_RE = re.compile(r"(\[\[\s*kernel\b[^\[\]]*\]\]|\bkernel\b)\s*((?:\[\[(?:[^\[\]]|\[[^\[\]]*\])*?\]\]\s*)*)"
+                      r"([A-Za-z_][\w:<>,\s*&]*?)\s*\b(\w+)\s*\(")
+
+
+# ------------------------------------------------------------ program scope
+_BUILTIN_ATTR = re.compile(r"\[\[\s*(" + "|".join(BUILTINS) + r")\b")
+
+
+def _code_only(text: str) -> str:
+    """The text with line markers and pragmas blanked and string / character literals emptied (same
+    length, quotes kept), so braces and semicolons in them do not count."""
+    out = re.sub(r"^#[^\n]*", lambda m: _blank(m.group(0)), text, flags=re.M)
+    return re.sub(r'"(?:[^"\\\n]|\\.)*"|\'(?:[^\'\\\n]|\\.)*\'', lambda m: m.group(0)[0] + " " * (len(m.group(0)) - 2)
+                  + m.group(0)[-1], out)
+
+
+def _strip_groups(s: str) -> str:
+    """`[[attributes]]`, `__attribute__((...))`, `alignas(...)`, `decltype(...)` and `[array bounds]` blanked."""
+    s = _ATTR_RE.sub(lambda m: _blank(m.group(0)), s)
+    for word in ("__attribute__", "alignas", "decltype"):
+        for m in reversed(list(re.finditer(r"\b" + word + r"\s*\(", s))):
+            j = _match_paren(s, m.end() - 1)
+            s = s[:m.start()] + _blank(s[m.start():j + 1]) + s[j + 1:]
+    while "[" in s:
+        i = s.index("[")
+        j = _match_paren(s, i, "[", "]")
+        s = s[:i] + _blank(s[i:j + 1]) + s[j + 1:]
+    return s
+
+
+def _without_parens(s: str) -> str:
+    """Parenthesised groups blanked (same length)."""
+    while True:
+        t = re.sub(r"\([^()]*\)", lambda m: _blank(m.group(0)), s)
+        if t == s:
+            return s
+        s = t
+
+
+def _without_template_head(s: str) -> str:
+    """`template <...> rest` -> `rest` (default template arguments may hold `=` and parentheses)."""
+    m = re.match(r"\s*template\s*<", s)
+    if not m:
+        return s
+    depth, flat = 1, _without_parens(s)  # parentheses hide comparisons such as `(N > 2)`
+    for i in range(m.end(), len(flat)):
+        depth += {"<": 1, ">": -1}.get(flat[i], 0)
+        if depth == 0:
+            return _without_template_head(s[i + 1:])
+    return s
+
+
+def _is_function_head(head: str) -> bool:
+    """The text before a `{` at namespace scope opens a function body (not a class or an initializer)."""
+    bare = _without_template_head(_strip_groups(head))
+    if re.search(r"\boperator\b", bare):
+        return True
+    return "(" in bare and "=" not in _without_parens(bare)  # not `T x = {...}` / `T x = f({...})`
+
+
+_NS_TOKEN = re.compile(r"[(\[{};]")
+
+
+def _namespace_statements(code: str):
+    """(start, end) of every statement at namespace scope that ends with `;` (declarations, incl. class
+    definitions); function bodies are skipped. `code` is _code_only(text)."""
+    out, start, i = [], 0, 0
+    while True:
+        m = _NS_TOKEN.search(code, i)
+        if not m:
+            return out
+        i = m.start()
+        c = code[i]
+        if c in "([":
+            i = _match_paren(code, i, c, ")" if c == "(" else "]") + 1
+        elif c == "{":
+            head = code[start:i]
+            if re.search(r"\bnamespace\b[^;]*$", head) or re.fullmatch(r"\s*extern\s*\"[^\"]*\"\s*", head):
+                i += 1
+                start = i
+                continue
+            i = _match_paren(code, i, "{", "}") + 1
+            if _is_function_head(head):
+                start = i
+        elif c == "}":  # closes a namespace
+            i += 1
+            start = i
+        else:  # ';'
+            out.append((start, i))
+            i += 1
+            start = i
+
+
+_SKIPPED_DECLS = {"template", "typedef", "using", "static_assert", "namespace", "extern", "friend"}
+_TYPE_KEYS = {"struct", "class", "union", "enum"}
+
+
+def _check_program_scope(text: str, strict: bool):
+    """Program-scope variables: Metal requires the constant address space (MSL specification, "constant
+    address space"); a threadgroup variable there cannot even be emulated (its storage is per threadgroup),
+    nor can program-scope built-in variables (MSL 3.1). Raises FrontendError naming the line."""
+    code = _code_only(text)
+    for start, end in _namespace_statements(code):
+        stmt = code[start:end]
+        words = re.findall(r"[A-Za-z_]\w*", _ATTR_RE.sub(" ", stmt))
+        if not words or words[0] in _SKIPPED_DECLS:
+            continue
+        bare = _strip_groups(stmt)
+        split = re.search(r"[={]", bare)
+        declarator = bare[:split.start()] if split else bare
+        if "(" in declarator:  # a function declaration
+            continue
+        names = re.findall(r"[A-Za-z_]\w*", declarator)
+        if not names:
+            continue
+        if _TYPE_KEYS & set(names) and ((split and split.group() == "{") or ":" in declarator.replace("::", "")
+                                         or len([w for w in names if w not in _TYPE_KEYS]) == 1):
+            continue  # a class / enum definition or a forward declaration
+        name = names[-1]
+        pos = start + list(re.finditer(r"\b" + re.escape(name) + r"\b", declarator))[-1].start()
+        file, line = _loc(text, pos)
+        builtin = _BUILTIN_ATTR.search(stmt)
+        if builtin:
+            raise FrontendError(f"{file}:{line}: error: program-scope built-in variable '{name}' "
+                                f"[[{builtin.group(1)}]] (MSL 3.1) is not supported by mslsim; take it as a kernel "
+                                "parameter")
+        if "constant" in names:
+            continue
+        if "threadgroup" in names:
+            raise FrontendError(f"{file}:{line}: error: program-scope threadgroup variable '{name}'; Metal requires "
+                                "threadgroup variables to be declared inside a kernel function (or passed as "
+                                "[[threadgroup(n)]] kernel parameters)")
+        if strict:
+            raise FrontendError(f"{file}:{line}: error: program-scope variable '{name}' is not in the constant "
+                                "address space; Metal requires program-scope variables to be declared constant "
+                                "(and initialised)")
 
 
 def parse(text: str, strict: bool = True) -> Parsed:
@@ -259,18 +394,23 @@ def parse(text: str, strict: bool = True) -> Parsed:
             raise FrontendError("cannot parse host_name instantiation: %s" % body.strip()[:200])
         insts.append((_strcat(m.group(1)), expr, base.group(0).split("::")[-1], m.start()))
 
+    _check_program_scope(text, strict)
     defs = {}
     for m in _KDEF_RE.finditer(text):
         if any(a <= m.start() < b for a, b in inst_spans):
             continue
-        name = m.group(3)
+        name = m.group(4)
         po = m.end() - 1
         pc = _match_paren(text, po)
         nxt = text[pc + 1:pc + 200].lstrip()
         if not nxt.startswith("{"):
             continue  # declaration only
-        file, line = _loc(text, m.start())
+        file, line = _loc(text, m.start(4))
         where = f"{file}:{line}"
+        returns = " ".join(w for w in m.group(3).split() if w not in ("static", "inline", "extern"))
+        if strict and returns != "void":
+            raise FrontendError(f"{where}: error: kernel '{name}' returns '{returns}'; Metal requires kernel "
+                                "functions to return void")
         params = _parse_params(text, po + 1, pc, name, strict)
         # templated? look back to the previous ';' or '}' at top level
         back = text[max(0, m.start() - 2000):m.start()]

@@ -15,12 +15,19 @@ macros, so it accepts code that Metal refuses. This pass closes that gap:
   (or `thread`) is expected: calls, assignments, initialisations, returns,
   template arguments, member functions called on device / threadgroup /
   constant objects;
+* C-style casts between address spaces (clang accepts them and emits an
+  `addrspacecast`; Metal has no conversion between address spaces), from the
+  same LLVM IR;
+* variable-length arrays (a clang extension in C++, an error here);
 * recursion (direct or mutual), from the call graph of the LLVM IR clang
   emits for the kernels (template recursion over different arguments is not
-  recursion and is allowed, as in Metal).
+  recursion and is allowed, as in Metal);
+* built-in attributes on parameters of a type Metal does not allow, from the
+  parameter types of the compiled library (builtin_type_errors).
 
-Kernel pointer / reference parameters without an address space are rejected
-by the front end (_frontend.py).
+Kernel pointer / reference parameters without an address space, program-scope
+variables outside the constant address space and kernels that do not return
+void are rejected by the front end (_frontend.py).
 """
 from __future__ import annotations
 
@@ -116,6 +123,36 @@ def _under(path: str, d: str) -> bool:
     return os.path.abspath(path).startswith(os.path.abspath(d) + os.sep)
 
 
+# ------------------------------------------------------- built-in parameters
+# Types Metal accepts for a kernel parameter's built-in attribute (MSL specification, "Attributes for
+# kernel function input arguments"): positions and sizes uint / ushort or their 2- and 3-vectors,
+# indices and counts uint / ushort.
+_GRID_BUILTINS = {"thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+                  "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threadgroups_per_grid",
+                  "threads_per_grid", "grid_size"}
+_TC_UINT = 2  # fn_traits::info1 type code (mslsim/__init__.py)
+
+
+def builtin_type_errors(kernels) -> list:
+    """Built-in parameters of a type Metal rejects, from (Kernel, parameter infos of the compiled library)."""
+    errors, seen = [], set()
+    for k, infos in kernels:
+        for p, info in zip(k.params, infos):
+            if not p.builtin or p.where in seen:  # template instantiations share the parameter
+                continue
+            components, element_type, element_size = info[4:7]
+            vectors = p.builtin in _GRID_BUILTINS
+            if info[2] == 0 and element_type == _TC_UINT and element_size in (2, 4) and (
+                    components in ((1, 2, 3) if vectors else (1,))):
+                continue
+            declared = " ".join(re.sub(r"\[\[.*?\]\]", " ", p.text).split()[:-1])
+            allowed = "uint, uint2, uint3, ushort, ushort2 or ushort3" if vectors else "uint or ushort"
+            seen.add(p.where)
+            errors.append(f"{p.where}: error: kernel '{k.name}': parameter '{p.name}' has type '{declared}', "
+                          f"which Metal does not allow for [[{p.builtin}]] ({allowed})")
+    return errors
+
+
 # ----------------------------------------------------------- clang discovery
 _clang_cache = {}
 
@@ -202,6 +239,9 @@ class Diag:
 
 def _readable(msg: str) -> str:
     msg = re.sub(r"'([^']*?)mslsim_tgt_\w+' \(aka '([^']*)'\)", r"'\2'", msg)  # kernel-scope threadgroup arrays
+    msg = re.sub(r"^variable length arrays (?:in C\+\+ are a Clang extension|are a C99 feature)",
+                 "variable length arrays are not supported in Metal (an array size must be a constant expression)",
+                 msg)
     return (msg.replace("generic address space", "thread address space (the default)")
             .replace("__attribute__((address_space(1)))", "device")
             .replace("__attribute__((address_space(2)))", "constant")
@@ -257,33 +297,43 @@ _CALL = re.compile(r"\b(?:call|invoke)\b[^@]*?@(\"[^\"]+\"|[\w.$]+)\((.*?)(?:, !
 _META = re.compile(r"^(!\d+) = (?:distinct )?!(\w+)\((.*)\)\s*$")
 
 
-def recursion_errors(ir: str) -> list:
-    """Cycles in the call graph of the emitted kernels: ["file:line: error: recursion ...", ...]."""
-    meta = {}
-    for ln in ir.splitlines():
-        m = _META.match(ln)
-        if m:
-            meta[m.group(1)] = (m.group(2), m.group(3))
+class _IRMetadata:
+    """The debug-info metadata of LLVM IR: source locations of `!dbg` references."""
 
+    def __init__(self, ir: str):
+        self.meta = {}
+        for ln in ir.splitlines():
+            m = _META.match(ln)
+            if m:
+                self.meta[m.group(1)] = (m.group(2), m.group(3))
+
+    @staticmethod
     def field_of(node, name):
         m = re.search(r"\b" + name + r": (\"(?:[^\"\\]|\\.)*\"|[^,]+)", node[1]) if node else None
         return m.group(1).strip('"') if m else None
 
-    def where(ref):
-        node = meta.get(ref)
+    def where(self, ref):
+        """"file:line" of a !dbg reference, or None."""
+        field_of = self.field_of
+        node = self.meta.get(ref)
         if not node:
             return None
         line = field_of(node, "line")
         scope = node
         while scope and field_of(scope, "file") is None and field_of(scope, "scope"):
-            scope = meta.get(field_of(scope, "scope"))
-        f = meta.get(field_of(scope, "file")) if scope else None
+            scope = self.meta.get(field_of(scope, "scope"))
+        f = self.meta.get(field_of(scope, "file")) if scope else None
         fname = field_of(f, "filename") if f else None
         d = field_of(f, "directory") if f else None
         if fname and d and not os.path.isabs(fname) and not fname.startswith("<"):
             fname = os.path.join(d, fname)
         return f"{fname or '?'}:{line or '?'}"
 
+
+def recursion_errors(ir: str) -> list:
+    """Cycles in the call graph of the emitted kernels: ["file:line: error: recursion ...", ...]."""
+    md = _IRMetadata(ir)
+    meta, field_of, where = md.meta, md.field_of, md.where
     graph, sub, calls, cur = {}, {}, {}, None
     for ln in ir.splitlines():
         m = _DEFINE.match(ln)
@@ -319,6 +369,29 @@ def recursion_errors(ir: str) -> list:
         kind = "recursion" if len(comp) == 1 else "mutual recursion"
         errors.append(f"{first}: error: {kind} is not supported in Metal: " + "; ".join(steps))
     return errors
+
+
+_AS_NAMES = {"": "thread", "0": "thread", "1": "device", "2": "constant", "3": "threadgroup"}
+_ADDRSPACECAST = re.compile(r"\baddrspacecast \(?ptr(?: addrspace\((\d+)\))? .*?\bto ptr(?: addrspace\((\d+)\))?")
+_DBG = re.compile(r"!dbg (!\d+)")
+
+
+def cast_errors(ir: str) -> list:
+    """Conversions of pointers between address spaces in the emitted kernels. Metal has no such
+    conversion; clang's C++ allows it in a C-style cast (an implicit one is an error there already), and
+    emits an `addrspacecast`: ["file:line: error: ...", ...]."""
+    md, errors = None, []
+    for ln in ir.splitlines():
+        m = _ADDRSPACECAST.search(ln)
+        if not m:
+            continue
+        md = md or _IRMetadata(ir)
+        dbg = _DBG.search(ln)
+        site = (md.where(dbg.group(1)) if dbg else None) or "<source>:?"
+        src, dst = _AS_NAMES.get(m.group(1) or "", "?"), _AS_NAMES.get(m.group(2) or "", "?")
+        errors.append(f"{site}: error: cast of a {src} pointer to a {dst} pointer: Metal does not convert "
+                      "pointers between address spaces (not even with a cast)")
+    return _dedupe(errors)
 
 
 def _sccs(graph):
@@ -385,9 +458,16 @@ def _cycle_in(comp, graph):
 
 
 # ------------------------------------------------------------------- driver
+# Metal rules clang checks in both runs (with and without address spaces), kept as errors of the strict pass.
+_RULE_DIAGS = re.compile(r"^variable length arrays ")
+
+
 def _clang_cmd(clang, as_on: bool, src: str, out_ll: str):
-    return clang + ["-x", "c++", "-std=c++17", "-fno-exceptions", "-fno-rtti", "-w", "-ferror-limit=0",
+    # warnings off, except variable length arrays (a clang extension in C++; Metal has none) as errors
+    return clang + ["-x", "c++", "-std=c++17", "-fno-exceptions", "-fno-rtti", "-Wno-everything",
+                    "-Werror=vla-extension", "-ferror-limit=0",
                     "-fno-color-diagnostics", "-fno-caret-diagnostics", "-fno-diagnostics-fixit-info",
+                    "-fno-diagnostics-show-option",
                     "-fno-spell-checking", f"-DMSLSIM_STRICT_AS={1 if as_on else 0}", "-include", STRICT_HEADER,
                     "-S", "-emit-llvm", "-O0", "-gline-tables-only", "-o", out_ll, src]
 
@@ -423,11 +503,11 @@ def finish(job) -> list:
             ll2 = src[:-4] + ".plain.ll"
             r = subprocess.run(_clang_cmd(clang, False, src, ll2), capture_output=True, text=True)
             plain = {d.key() for d in parse_diagnostics(r.stderr)}
-            errors = [d for d in errors if d.key() not in plain]
+            errors = [d for d in errors if d.key() not in plain or _RULE_DIAGS.search(d.message)]
             ir = _read(ll2) if r.returncode == 0 else None
         if errors:
             return [d.render() for d in errors]
-        return recursion_errors(ir) if ir else []
+        return (recursion_errors(ir) + cast_errors(ir)) if ir else []
     finally:
         _remove(src, ll, src[:-4] + ".plain.ll")
 

@@ -124,9 +124,22 @@ enum FState { F_RUN = 0, F_SIMD = 1, F_TG = 2, F_DONE = 3, F_YIELD = 4 };
 
 struct Worker;
 
+// Memory spaces of the race detector: each is ordered by its own barriers (mem_flags).
+enum Space { S_THREADGROUP = 0, S_DEVICE = 1, S_COUNT = 2 };
+inline uint32_t space_flag(int space) { return space == S_DEVICE ? MEM_DEVICE : MEM_THREADGROUP; }
+
 struct Fiber {
   void* sp = nullptr;
-  uint32_t vc[32];         // race detection: vector clock over the lanes of this simdgroup
+  // Race detection: vector clocks over the lanes of this simdgroup, per memory space. The device clock is
+  // the threadgroup one (vc[S_THREADGROUP]) until a simdgroup_barrier orders one space only (clocks_split).
+  uint32_t vc[S_COUNT][32];
+  bool clocks_split = false;
+  uint32_t barrier_flags = 0;  // mem_flags of the threadgroup_barrier it waits at
+  // Race detection: this thread's last checked access since it last ran after other threads (fibers switch
+  // only at barriers, collectives and yields, which clear it). Its bytes' shadow then holds nothing newer.
+  uintptr_t last_addr = 0;
+  size_t last_size = 0;
+  bool last_write = false;
   char* mem = nullptr;     // mmap base (guard page first)
   size_t memsize = 0;
   int tid = 0, sg = 0, lane = 0;
@@ -145,6 +158,7 @@ struct Guarded {
   char* data = nullptr;    // start of buffer inside region
   size_t size = 0;
   bool readonly = false;
+  bool pooled = false;     // region carved out of the race-checked device pool
   void* user = nullptr;
 };
 
@@ -166,12 +180,23 @@ struct Cell {
   Access r[2];
 };
 
-// A threadgroup-memory arena of the pool and its shadow (persistent across launches).
+// Shadow of the device pool for one worker's threadgroup: chunks of kDevChunk bytes' cells, allocated
+// on first access and recycled at the start of every threadgroup (device races are checked within a
+// threadgroup only, so the shadow never outlives one).
+struct DevShadow {
+  Cell** table = nullptr;          // chunk index in the device pool -> cells (nullptr: not touched)
+  std::vector<uint32_t> used;      // chunk indices set in table
+  std::vector<Cell*> spare;        // recycled chunks
+};
+
+// A threadgroup-memory arena of the pool, its shadow and the worker's device shadow (persistent across
+// launches). phase[space] counts barrier intervals of that memory space.
 struct Slot {
   bool used = false;
   Worker* owner = nullptr;
   Cell* shadow = nullptr;
-  uint32_t phase = 0;
+  DevShadow dev;
+  uint32_t phase[S_COUNT] = {0, 0};
 };
 
 struct TgDecl {
@@ -192,7 +217,8 @@ struct Worker {
   int slot = -1;           // pool slot of the arena (-1: private arena, not race checked)
   bool race = false;       // race detection on for this launch and arena
   Cell* shadow = nullptr;
-  uint32_t* phase = nullptr;
+  DevShadow* dev = nullptr;
+  uint32_t* phase = nullptr;  // [S_COUNT]
   void* tgbufs[32];
   uint64_t rng = 0;
   bool failed = false;
@@ -263,23 +289,71 @@ void free_stack(char* p, size_t memsize) {
 
 // ------------------------------------------------------------ arena pool
 // Threadgroup memory: 32 KiB usable + 32 KiB slack (small overruns do not
-// fault) + a guard page per worker, all workers' arenas in one pool so the
-// race hooks of the kernel library need one range test per memory access.
+// fault) + a guard page per worker, all workers' arenas in one pool, followed
+// by the device pool that holds the launches' writable buffers, so the race
+// hooks of the kernel library need one range test per memory access.
 const size_t kArenaUse = 32768;
 const size_t kArenaSlot = 2 * 32768 + kPage;
 const int kPoolSlots = 128;
+const size_t kArenaPool = kPoolSlots * kArenaSlot;
+const size_t kDevPool = size_t(16) << 30;  // address space for writable buffers (larger ones: not race checked)
+const size_t kDevChunk = 1024;             // device bytes per shadow chunk
+const size_t kDevChunksPerThreadgroup = 16384;  // shadow of at most 16 MiB of device memory per threadgroup
 std::mutex g_pool_mu;
 char* g_pool = nullptr;
+char* g_dev_pool = nullptr;
+std::vector<std::pair<size_t, size_t>> g_dev_free;  // free (offset, size) ranges of the device pool, sorted
 Slot g_slots[kPoolSlots];
+
+// Reserve the pool (once; under g_pool_mu). false if the address space could not be reserved.
+bool ensure_pool() {
+  if (!g_pool) {
+    void* p = mmap(nullptr, kArenaPool + kDevPool, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    g_pool = p == MAP_FAILED ? (char*)-1 : (char*)p;
+    if (p != MAP_FAILED) {
+      g_dev_pool = g_pool + kArenaPool;
+      g_dev_free.assign(1, {0, kDevPool});
+      mslsim_race_range = RaceRange{(uintptr_t)p, kArenaPool + kDevPool};
+    }
+  }
+  return g_pool != (char*)-1;
+}
+
+// A region of the device pool (first fit), or nullptr.
+char* dev_pool_alloc(size_t size) {
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  if (!ensure_pool()) return nullptr;
+  for (auto& r : g_dev_free) {
+    if (r.second < size) continue;
+    char* p = g_dev_pool + r.first;
+    r.first += size;
+    r.second -= size;
+    return p;
+  }
+  return nullptr;
+}
+
+void dev_pool_free(char* p, size_t size) {
+  // drop the pages and make the range inaccessible again
+  mmap(p, size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  std::lock_guard<std::mutex> lk(g_pool_mu);
+  size_t off = p - g_dev_pool;
+  auto it = std::lower_bound(g_dev_free.begin(), g_dev_free.end(), std::make_pair(off, size_t(0)));
+  it = g_dev_free.insert(it, {off, size});
+  if (it + 1 != g_dev_free.end() && it->first + it->second == (it + 1)->first) {
+    it->second += (it + 1)->second;
+    g_dev_free.erase(it + 1);
+  }
+  if (it != g_dev_free.begin() && (it - 1)->first + (it - 1)->second == it->first) {
+    (it - 1)->second += it->second;
+    g_dev_free.erase(it);
+  }
+}
 
 void acquire_arena(Worker* w) {
   {
     std::lock_guard<std::mutex> lk(g_pool_mu);
-    if (!g_pool) {
-      void* p = mmap(nullptr, kPoolSlots * kArenaSlot, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-      g_pool = p == MAP_FAILED ? (char*)-1 : (char*)p;
-      if (p != MAP_FAILED) mslsim_race_range = RaceRange{(uintptr_t)p, kPoolSlots * kArenaSlot};
-    }
+    ensure_pool();
     for (int i = 0; g_pool != (char*)-1 && i < kPoolSlots; ++i) {
       Slot& sl = g_slots[i];
       if (sl.used) continue;
@@ -289,12 +363,19 @@ void acquire_arena(Worker* w) {
         if (sh == MAP_FAILED) break;
         sl.shadow = (Cell*)sh;
       }
+      if (!sl.dev.table) {
+        void* t = mmap(nullptr, kDevPool / kDevChunk * sizeof(Cell*), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (t == MAP_FAILED) break;
+        sl.dev.table = (Cell**)t;
+      }
       sl.used = true;
       sl.owner = w;
       w->slot = i;
       w->arena = g_pool + i * kArenaSlot;
       w->shadow = sl.shadow;
-      w->phase = &sl.phase;
+      w->dev = &sl.dev;
+      w->phase = sl.phase;
       break;
     }
   }
@@ -317,22 +398,63 @@ void release_arena(Worker* w) {
   g_slots[w->slot].owner = nullptr;
 }
 
-// A new barrier interval: every earlier access of the threadgroup is ordered before what follows.
-void new_phase(Worker* w) {
-  if (++*w->phase == 0) {
+// A new barrier interval of one memory space: every earlier access of the threadgroup to that memory
+// is ordered before what follows.
+void new_phase(Worker* w, int space) {
+  if (++w->phase[space] != 0) return;
+  if (space == S_THREADGROUP) {
     memset(w->shadow, 0, kArenaUse * sizeof(Cell));
-    *w->phase = 1;
+  } else {
+    for (Cell* c : w->dev->spare) memset(c, 0, kDevChunk * sizeof(Cell));
+    for (uint32_t i : w->dev->used) memset(w->dev->table[i], 0, kDevChunk * sizeof(Cell));
   }
+  w->phase[space] = 1;
 }
 
-// Lanes that took part in one simd collective / simdgroup_barrier are ordered: join their clocks.
-void race_sync(std::vector<Fiber*>& lanes) {
-  uint32_t j[32] = {0};
-  for (Fiber* g : lanes)
-    for (int k = 0; k < 32; ++k) j[k] = std::max(j[k], g->vc[k]);
-  for (Fiber* g : lanes) {
-    memcpy(g->vc, j, sizeof j);
-    g->vc[g->lane]++;
+// The memory spaces whose barrier intervals end at a barrier with these mem_flags.
+void new_phases(Worker* w, uint32_t mem_flags) {
+  for (int space = 0; space < S_COUNT; ++space)
+    if (mem_flags & space_flag(space)) new_phase(w, space);
+}
+
+// A new threadgroup: nothing of the previous one is visible any more; its device shadow is recycled.
+void start_race_threadgroup(Worker* w) {
+  DevShadow& d = *w->dev;
+  for (uint32_t i : d.used) {
+    d.spare.push_back(d.table[i]);
+    d.table[i] = nullptr;
+  }
+  d.used.clear();
+  new_phases(w, MEM_THREADGROUP | MEM_DEVICE);
+}
+
+// The vector clock of a lane for accesses to a memory space.
+inline uint32_t* space_clock(Fiber* f, int space) {
+  return f->vc[space == S_DEVICE && f->clocks_split ? S_DEVICE : S_THREADGROUP];
+}
+
+// Lanes that took part in one simd collective / simdgroup_barrier are ordered, in the memory spaces of
+// mem_flags: join their clocks. While no lane has split clocks, a sync of both spaces is one join.
+void race_sync(std::vector<Fiber*>& lanes, uint32_t mem_flags) {
+  mem_flags &= MEM_THREADGROUP | MEM_DEVICE;
+  if (!mem_flags) return;
+  bool split = mem_flags != (MEM_THREADGROUP | MEM_DEVICE);
+  for (Fiber* g : lanes) split |= g->clocks_split;
+  if (split)
+    for (Fiber* g : lanes)
+      if (!g->clocks_split) {
+        memcpy(g->vc[S_DEVICE], g->vc[S_THREADGROUP], sizeof g->vc[S_DEVICE]);
+        g->clocks_split = true;
+      }
+  for (int space = 0; space < (split ? S_COUNT : 1); ++space) {
+    if (split && !(mem_flags & space_flag(space))) continue;
+    uint32_t j[32] = {0};
+    for (Fiber* g : lanes)
+      for (int k = 0; k < 32; ++k) j[k] = std::max(j[k], g->vc[space][k]);
+    for (Fiber* g : lanes) {
+      memcpy(g->vc[space], j, sizeof j);
+      g->vc[space][g->lane]++;
+    }
   }
 }
 
@@ -441,7 +563,8 @@ void check_sg(Worker* w, TGState& s, int sg) {
       }
     }
     if (f->coll->fn) f->coll->fn(s.tmp.data(), (int)s.tmp.size());
-    if (w->race) race_sync(s.tmpf);
+    // a simd collective orders all memory among its lanes; a simdgroup_barrier (no fn) what its flags name
+    if (w->race) race_sync(s.tmpf, f->coll->fn ? MEM_THREADGROUP | MEM_DEVICE : (uint32_t)f->coll->p0);
     s.blocked_sg[sg] -= (int)s.tmpf.size();
     for (Fiber* g : s.tmpf) push_run(w, s, g);
   }
@@ -451,8 +574,10 @@ void check_tg(Worker* w, TGState& s) {
   if (s.live == 0 || s.blocked_tg != s.live) return;
   // every live thread waits at a threadgroup barrier
   Fiber* first = nullptr;
+  uint32_t mem_flags = ~0u;  // the memory all of them order
   for (auto& f : w->fibers) {
     if (f.state != F_TG) continue;
+    mem_flags &= f.barrier_flags;
     if (!first) first = &f;
     else if (f.line != first->line || f.file != first->file) {
       fail(w, "barrier divergence: " + thread_desc(w, first) + " waits at threadgroup_barrier at " +
@@ -462,7 +587,7 @@ void check_tg(Worker* w, TGState& s) {
     }
   }
   w->barriers++;
-  if (w->race) new_phase(w);
+  if (w->race) new_phases(w, mem_flags);
   for (auto& f : w->fibers)
     if (f.state == F_TG) {
       s.blocked_sg[f.sg]--;
@@ -494,7 +619,7 @@ void run_threadgroup(Worker* w, uint64_t linear) {
   }
   w->arena_dyn = w->arena_used;
   w->arena_hwm = w->arena_used;
-  if (w->race) new_phase(w);
+  if (w->race) start_race_threadgroup(w);
   w->rng = a->seed * 0x2545F4914F6CDD1Dull + linear * 0x9E3779B97F4A7C15ull + 1;
 
   TGState s;
@@ -513,8 +638,10 @@ void run_threadgroup(Worker* w, uint64_t linear) {
     f->coll = nullptr;
     f->file = nullptr;
     f->line = 0;
+    f->last_size = 0;
     memset(f->vc, 0, sizeof f->vc);
-    f->vc[f->lane] = 1;
+    for (int space = 0; space < S_COUNT; ++space) f->vc[space][f->lane] = 1;
+    f->clocks_split = false;
     ThreadCtx& c = f->ctx;
     uint32_t lx = t % tx, ly = (t / tx) % ty, lz = t / (tx * ty);
     uint32_t lp[3] = {lx, ly, lz};
@@ -819,12 +946,17 @@ bool setup_buffers(Launch* L, std::string& err) {
     size_t body = (g.size + kPage - 1) / kPage * kPage;
     if (body == 0) body = kPage;
     g.region_size = kGuard + body + kGuard;
-    void* r = mmap(nullptr, g.region_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (r == MAP_FAILED) {
-      err = "mmap failed for buffer(" + std::to_string(g.index) + ")";
-      return false;
+    // writable buffers go to the race-checked device pool (read-only ones cannot race)
+    g.region = g.readonly || !a->check_races ? nullptr : dev_pool_alloc(g.region_size);
+    g.pooled = g.region != nullptr;
+    if (!g.region) {
+      void* r = mmap(nullptr, g.region_size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (r == MAP_FAILED) {
+        err = "mmap failed for buffer(" + std::to_string(g.index) + ")";
+        return false;
+      }
+      g.region = (char*)r;
     }
-    g.region = (char*)r;
     char* bodyp = g.region + kGuard;
     mprotect(bodyp, body, PROT_READ | PROT_WRITE);
     g.data = bodyp + body - g.size;  // end of buffer abuts the upper guard
@@ -839,7 +971,8 @@ bool setup_buffers(Launch* L, std::string& err) {
 void teardown_buffers(Launch* L) {
   for (auto& g : L->bufs) {
     if (!g.readonly && g.size) memcpy(g.user, g.data, g.size);
-    munmap(g.region, g.region_size);
+    if (g.pooled) dev_pool_free(g.region, g.region_size);
+    else munmap(g.region, g.region_size);
   }
   L->bufs.clear();
 }
@@ -916,11 +1049,13 @@ int mslsim_launch(const LaunchArgs* a, char* errbuf, int errlen, LaunchStats* st
   return 0;
 }
 
-void mslsim_tg_barrier(const char* file, int line) {
+void mslsim_tg_barrier(uint32_t mem_flags, const char* file, int line) {
   t_in_fiber = false;  // not interruptible while switching
   Worker* w = t_worker;
   Fiber* f = w->cur;
   f->state = F_TG;
+  f->barrier_flags = mem_flags;
+  f->last_size = 0;
   f->file = file;
   f->line = line;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
@@ -934,6 +1069,7 @@ void mslsim_simd_collective(Coll* c, const char* file, int line) {
   c->lane = f->lane;
   f->coll = c;
   f->state = F_SIMD;
+  f->last_size = 0;
   f->file = file;
   f->line = line;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
@@ -945,6 +1081,7 @@ void mslsim_yield(void) {
   Worker* w = t_worker;
   Fiber* f = w->cur;
   f->state = F_YIELD;
+  f->last_size = 0;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
   t_in_fiber = true;
 }
@@ -1000,7 +1137,7 @@ static std::string race_pc_tag(const Launch* L, uint32_t pc) {
   return " [pc " + L->lib_name + b;
 }
 
-static std::string race_where(const Worker* w, size_t off) {
+static std::string threadgroup_where(const Worker* w, size_t off) {
   const LaunchArgs* a = w->L->a;
   char b[200];
   size_t base = 0;
@@ -1022,55 +1159,138 @@ static std::string race_where(const Worker* w, size_t off) {
   return b;
 }
 
-[[noreturn]] static void race_report(Worker* w, Fiber* f, size_t off, bool is_write, uint32_t pc, const Access& o,
-                                     bool other_wrote) {
+static std::string device_where(const Worker* w, uintptr_t addr) {
+  char b[120];
+  for (auto& g : w->L->bufs)
+    if (addr >= (uintptr_t)g.data && addr < (uintptr_t)g.data + g.size) {
+      snprintf(b, sizeof b, "byte %zu of buffer(%d)", (size_t)(addr - (uintptr_t)g.data), g.index);
+      return b;
+    }
+  snprintf(b, sizeof b, "device memory at %p", (void*)addr);
+  return b;
+}
+
+// One access being checked (for the report): who, in which memory space, where in the code.
+struct RaceAccess {
+  Worker* w;
+  Fiber* f;
+  int space;
+  uint32_t pc;
+  bool is_write;
+};
+
+[[noreturn]] __attribute__((noinline)) static void race_report(RaceAccess r, uintptr_t addr, Access o,
+                                                               bool other_wrote) {
+  Worker* w = r.w;
+  Fiber* f = r.f;
   Fiber* g = &w->fibers[o.tid];
-  std::string kind = std::string(other_wrote ? "write" : "read") + "-" + (is_write ? "write" : "read");
-  std::string m = "threadgroup memory race (" + kind + ") on " + race_where(w, off) + ": " + thread_desc(w, g) +
-                  (other_wrote ? " writes it" : " reads it") + race_pc_tag(w->L, o.pc) + " and " +
-                  thread_desc(w, f) + (is_write ? " writes it" : " reads it") + race_pc_tag(w->L, pc) +
-                  " in the same barrier interval; the accesses are not ordered by a threadgroup_barrier";
-  if (g->sg == f->sg) m += " or, within the simdgroup, by a simdgroup_barrier or simd collective";
+  const bool device = r.space == S_DEVICE;
+  const std::string where = device ? device_where(w, addr) : threadgroup_where(w, addr - (uintptr_t)w->arena);
+  const std::string flag = device ? "mem_flags::mem_device" : "mem_flags::mem_threadgroup";
+  std::string kind = std::string(other_wrote ? "write" : "read") + "-" + (r.is_write ? "write" : "read");
+  std::string m = std::string(device ? "device" : "threadgroup") + " memory race (" + kind + ") on " + where + ": " +
+                  thread_desc(w, g) + (other_wrote ? " writes it" : " reads it") + race_pc_tag(w->L, o.pc) +
+                  " and " + thread_desc(w, f) + (r.is_write ? " writes it" : " reads it") + race_pc_tag(w->L, r.pc) +
+                  " in the same barrier interval; the accesses are not ordered by a threadgroup_barrier with " + flag;
+  if (g->sg == f->sg) m += " or, within the simdgroup, by a simdgroup_barrier with " + flag + " or a simd collective";
   fail(w, m);
   t_in_fiber = false;
   mslsim_ctx_switch(&f->sp, w->sched_sp);
   abort();
 }
 
-// Called by the kernel library for every access to the threadgroup-memory pool
-// (before the access happens).
+// Check the current thread's access to n consecutive bytes at addr (memory space `space`) against their
+// shadow cells c and record it. Ordered: the other access is by this thread, from an earlier barrier
+// interval of the memory space, or by a lane of this simdgroup that has synchronised (transitively) with
+// this one since, in that space.
+__attribute__((always_inline)) static inline void race_check(Worker* w, int space, int is_write, void* pcp, Cell* c,
+                                                             size_t n, uintptr_t addr) {
+  Fiber* f = w->cur;
+  const uint32_t phase = w->phase[space], tid = (uint32_t)f->tid;
+  const int sg = f->sg;
+  const uint32_t* vc = space_clock(f, space);
+  const uint32_t pc = (uint32_t)((uintptr_t)pcp - w->L->lib_base);
+  auto unordered = [=](const Access& o) {
+    return o.phase == phase && o.tid != tid && ((int)o.tid / 32 != sg || vc[o.tid % 32] < o.clk);
+  };
+  const Access me{phase, (uint16_t)tid, 0, vc[f->lane], pc};
+  for (size_t i = 0; i < n; ++i) {
+    Cell& x = c[i];
+    if (unordered(x.w)) race_report(RaceAccess{w, f, space, pc, is_write != 0}, addr + i, x.w, true);
+    if (is_write) {
+      for (const Access& o : x.r)
+        if (unordered(o)) race_report(RaceAccess{w, f, space, pc, true}, addr + i, o, false);
+      x.w = me;
+      x.r[0].phase = x.r[1].phase = 0;
+    } else if (x.r[0].phase != phase || x.r[0].tid == tid) {
+      x.r[0] = me;
+    } else {
+      x.r[1] = me;
+    }
+  }
+}
+
+// The shadow cells of device-pool chunk idx for this threadgroup, or nullptr beyond the budget.
+static Cell* device_chunk(DevShadow& d, size_t idx) {
+  if (d.table[idx]) return d.table[idx];
+  if (d.used.size() >= kDevChunksPerThreadgroup) return nullptr;
+  NoInterrupt guard;  // the allocator must not be interrupted by the timeout signal
+  Cell* c;
+  if (!d.spare.empty()) {
+    c = d.spare.back();
+    d.spare.pop_back();
+  } else {
+    c = (Cell*)calloc(kDevChunk, sizeof(Cell));
+    if (!c) return nullptr;
+  }
+  d.table[idx] = c;
+  d.used.push_back((uint32_t)idx);
+  return c;
+}
+
+// The bytes were this thread's last access (a write, or a read now read again) and no other thread has run
+// since: the check would find and record nothing new (at most a newer code address of the same thread).
+static inline bool repeats_last_access(Fiber* f, uintptr_t addr, unsigned long size, int is_write) {
+  return addr >= f->last_addr && addr + size <= f->last_addr + f->last_size && (!is_write || f->last_write);
+}
+
+static inline void remember_access(Fiber* f, uintptr_t addr, unsigned long size, int is_write) {
+  f->last_addr = addr;
+  f->last_size = size;
+  f->last_write = is_write != 0;
+}
+
+// An access to a writable device buffer: checked against the other threads of this threadgroup only.
+static void device_race_access(uintptr_t addr, unsigned long size, int is_write, void* pcp) {
+  Worker* w = t_worker;
+  if (!w || !w->race || !w->cur || repeats_last_access(w->cur, addr, size, is_write)) return;
+  const size_t off = addr - (uintptr_t)g_dev_pool;
+  for (unsigned long i = 0; i < size;) {
+    const size_t idx = (off + i) / kDevChunk, in = (off + i) % kDevChunk;
+    const size_t n = std::min<size_t>(size - i, kDevChunk - in);
+    Cell* c = device_chunk(*w->dev, idx);
+    if (!c) return;
+    race_check(w, S_DEVICE, is_write, pcp, c + in, n, addr + i);
+    i += n;
+  }
+  remember_access(w->cur, addr, size, is_write);
+}
+
+// Called by the kernel library for every access to the race-checked pool (before the access happens).
 void mslsim_race_access(uintptr_t addr, unsigned long size, int is_write, void* pcp) {
-  // the arena's owner (cheaper than the thread-local t_worker); only its fibers use the arena
+  if (addr >= (uintptr_t)g_dev_pool) {
+    device_race_access(addr, size, is_write, pcp);
+    return;
+  }
+  // threadgroup memory: the arena's owner (cheaper than the thread-local t_worker); only its fibers use it
   const size_t slot = (addr - (uintptr_t)g_pool) / kArenaSlot;
   Worker* w = slot < (size_t)kPoolSlots ? g_slots[slot].owner : nullptr;
-  if (!w || !w->race || !w->cur) return;
+  if (!w || !w->race || !w->cur || repeats_last_access(w->cur, addr, size, is_write)) return;
   size_t off = addr - (uintptr_t)w->arena;
   if (off >= kArenaUse) return;  // beyond Apple's limit (reported as over budget)
   if (off + size > kArenaUse) size = kArenaUse - off;
-  Fiber* f = w->cur;
-  const uint32_t phase = *w->phase, tid = (uint32_t)f->tid, clk = f->vc[f->lane];
-  const uint32_t pc = (uint32_t)((uintptr_t)pcp - w->L->lib_base);
-  // ordered: the other access is by this thread, from an earlier barrier interval, or by a lane of this
-  // simdgroup that has synchronised (transitively) with this one since.
-  auto unordered = [&](const Access& o) {
-    return o.phase == phase && o.tid != tid && ((int)o.tid / 32 != f->sg || f->vc[o.tid % 32] < o.clk);
-  };
-  Cell* c = w->shadow + off;
-  for (unsigned long i = 0; i < size; ++i) {
-    Cell& x = c[i];
-    if (unordered(x.w)) race_report(w, f, off + i, is_write != 0, pc, x.w, true);
-    if (is_write) {
-      for (auto& r : x.r)
-        if (unordered(r)) race_report(w, f, off + i, true, pc, r, false);
-      x.w = Access{phase, (uint16_t)tid, 0, clk, pc};
-      x.r[0].phase = x.r[1].phase = 0;
-    } else {
-      Access me{phase, (uint16_t)tid, 0, clk, pc};
-      if (x.r[0].phase != phase || x.r[0].tid == tid) x.r[0] = me;
-      else if (x.r[1].phase != phase || x.r[1].tid == tid) x.r[1] = me;
-      else x.r[1] = me;
-    }
-  }
+  race_check(w, S_THREADGROUP, is_write, pcp, w->shadow + off, size, addr);
+  remember_access(w->cur, addr, size, is_write);
 }
 
 int mslsim_abi_version(void) { return MSLSIM_ABI_VERSION; }

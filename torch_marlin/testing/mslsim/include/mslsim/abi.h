@@ -2,7 +2,7 @@
 #pragma once
 #include <stdint.h>
 
-#define MSLSIM_ABI_VERSION 3
+#define MSLSIM_ABI_VERSION 4
 
 namespace mslsim {
 
@@ -46,13 +46,17 @@ struct LaunchArgs {
   int32_t check_races;  // threadgroup-memory race detection (kernels built with -fsanitize=thread hooks)
 };
 
-// Threadgroup memory of every worker lives in one pool: [lo, lo + span).  The
-// kernel library's access hooks (prelude.h) test an address against it and
-// call mslsim_race_access only for threadgroup memory.
+// The race-checked memory lives in one pool: [lo, lo + span) holds every
+// worker's threadgroup memory and the writable device buffers of the launches.
+// The kernel library's access hooks (prelude.h) test an address against it and
+// call mslsim_race_access only for that memory.
 struct RaceRange {
   uintptr_t lo;
   uintptr_t span;
 };
+
+// mem_flags bits the race detector uses (as in metal_lib.h's enum mem_flags).
+enum : uint32_t { MEM_DEVICE = 1, MEM_THREADGROUP = 2 };
 
 struct LaunchStats {
   uint64_t barriers;
@@ -63,7 +67,7 @@ struct LaunchStats {
 }  // namespace mslsim
 
 extern "C" {
-void mslsim_tg_barrier(const char* file, int line);
+void mslsim_tg_barrier(uint32_t mem_flags, const char* file, int line);
 void mslsim_simd_collective(mslsim::Coll* c, const char* file, int line);
 void mslsim_yield(void);
 int mslsim_lane(void);

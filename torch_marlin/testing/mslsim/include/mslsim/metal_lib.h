@@ -280,16 +280,16 @@ enum class mem_flags : uint { mem_none = 0, mem_device = 1, mem_threadgroup = 2,
                               mem_threadgroup_imageblock = 8, mem_object_data = 16 };
 inline mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags((uint)a | (uint)b); }
 
-inline void threadgroup_barrier(mem_flags, MSLSIM_SITE) { mslsim_tg_barrier(mslsim_file, mslsim_line); }
-inline void simdgroup_barrier(mem_flags, MSLSIM_SITE) {
+// A barrier orders (for the race detector) the memory its flags name: mem_none is an execution
+// barrier only. A simdgroup_barrier is a collective without a function; p0 carries its flags.
+inline void threadgroup_barrier(mem_flags f, MSLSIM_SITE) { mslsim_tg_barrier((uint)f, mslsim_file, mslsim_line); }
+inline void simdgroup_barrier(mem_flags f, MSLSIM_SITE) {
   mslsim::Coll c{};
+  c.p0 = (uint)f;
   mslsim_simd_collective(&c, mslsim_file, mslsim_line);
 }
-inline void threadgroup_barrier(MSLSIM_SITE) { mslsim_tg_barrier(mslsim_file, mslsim_line); }
-inline void simdgroup_barrier(MSLSIM_SITE) {
-  mslsim::Coll c{};
-  mslsim_simd_collective(&c, mslsim_file, mslsim_line);
-}
+inline void threadgroup_barrier(MSLSIM_SITE) { threadgroup_barrier(mem_flags::mem_none, mslsim_file, mslsim_line); }
+inline void simdgroup_barrier(MSLSIM_SITE) { simdgroup_barrier(mem_flags::mem_none, mslsim_file, mslsim_line); }
 
 // --------------------------------------------------------- simd collectives
 }  // namespace metal

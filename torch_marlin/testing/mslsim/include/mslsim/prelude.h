@@ -11,11 +11,12 @@
 
 #include "abi.h"
 
-// --------------------------------------------------- threadgroup race hooks
+// ---------------------------------------------------------------- race hooks
 // Kernel libraries are compiled with -fsanitize=thread (instrumentation only,
 // no TSan runtime): every load and store calls one of these first. An address
-// inside the threadgroup-memory pool goes to the runtime's race detector
-// (runtime.cpp, mslsim_race_access); everything else returns at once.
+// inside the race-checked pool (threadgroup memory and writable device
+// buffers) goes to the runtime's race detector (runtime.cpp,
+// mslsim_race_access); everything else returns at once.
 // Atomics are not instrumented (MSLSIM_NO_TSAN below): they are not races.
 #define MSLSIM_NO_TSAN __attribute__((no_sanitize_thread))
 #define MSLSIM_HOOK extern "C" __attribute__((no_sanitize_thread, visibility("hidden"), used))
@@ -451,6 +452,15 @@ template <class R, class... A> struct fn_traits<R(A...)> {
         else if constexpr (std::is_integral_v<U> && std::is_signed_v<U>) return 1;
         else if constexpr (std::is_integral_v<U>) return 2;
         else return 0;
+      case 4:  // components: 1 for a scalar, N for vec<T, N>, 0 for anything else
+        if constexpr (is_vec<U>::value) return U::size;
+        else return is_scalar_like_v<U> ? 1 : 0;
+      case 5:  // type code (as field 3) of a vector's elements or the scalar
+        if constexpr (is_vec<U>::value) return info1<typename U::value_type>(3);
+        else return info1<P>(3);
+      case 6:  // size of a vector's elements or the scalar
+        if constexpr (is_vec<U>::value) return (long long)sizeof(typename U::value_type);
+        else return info1<P>(0);
     }
     return -1;
   }
