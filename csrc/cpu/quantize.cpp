@@ -1,7 +1,9 @@
 // torch.ops.marlin._quantize_weight on CPU: the built-in quantizers of
 // torch_marlin/quantize.py for a whole weight [N, K], multithreaded over
 // blocks of rows, straight to the packed layout (docs/FORMAT.md).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
