@@ -89,6 +89,9 @@ setup(
     # Namespace discovery also lists the data folders without __init__.py
     # (mslsim's include/ and runtime/) as packages, which their package_data needs.
     packages=find_namespace_packages(include=["torch_marlin", "torch_marlin.*"]),
+    # Packages live at the top of the checkout: an editable install is then a plain
+    # path entry, without setuptools' notice about folders that could shadow them.
+    package_dir={"": "."},
     package_data={
         "torch_marlin.testing.mslsim": ["include/*", "include/**/*", "runtime/*", "runtime/**/*"],
         "torch_marlin.testing": ["calibration_en.txt"],
