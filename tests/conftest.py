@@ -1,3 +1,9 @@
+import contextlib
+import subprocess
+import sys
+import threading
+import time
+
 import pytest
 import torch
 
@@ -5,3 +11,68 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+class Terminal:
+    """Writes to pytest's terminal from inside a test, past output capture: for
+    the steps that take a minute or more (a cross-compile, a child test run), so
+    that `pytest -q` does not sit silent on one test."""
+
+    def __init__(self, config):
+        self._capture = config.pluginmanager.getplugin("capturemanager")
+        self._reporter = config.pluginmanager.getplugin("terminalreporter")
+
+    def write(self, text):
+        if self._reporter is None:
+            return
+        with self._capture.global_and_fixture_disabled() if self._capture else contextlib.nullcontext():
+            self._reporter.write(text, flush=True)
+
+    @contextlib.contextmanager
+    def step(self, what):
+        """Says what is running and, once done, how long it took."""
+        start = time.monotonic()
+        self.write(f"\n{what} ...")
+        yield
+        self.write(f" {time.monotonic() - start:.0f} s\n")
+
+
+@pytest.fixture(scope="session")
+def terminal(pytestconfig):
+    return Terminal(pytestconfig)
+
+
+_PROGRESS = set(".sxXFE")  # the letters of `pytest -q` progress lines
+
+
+@pytest.fixture(scope="session")
+def child_pytest(terminal):
+    """run(label, args, env, timeout) -> (returncode, output): `pytest -q args` in a
+    child process with `env` (how the tests run another CPU kernel build: a process
+    chooses one), its progress letters shown after `label` as they come."""
+
+    def run(label, args, env, timeout):
+        cmd = [sys.executable, "-u", "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timed_out = threading.Event()
+        killer = threading.Timer(timeout, lambda: (timed_out.set(), proc.kill()))
+        killer.start()
+        output, line, shown = [], "", 0
+        terminal.write(f"\n{label}:\n")
+        try:
+            for ch in iter(lambda: proc.stdout.read(1), ""):
+                output.append(ch)
+                line = "" if ch == "\n" else line + ch
+                if ch in _PROGRESS and set(line) <= _PROGRESS:
+                    shown += 1
+                    terminal.write(ch if shown % 72 else ch + "\n")
+            proc.wait()
+        finally:
+            killer.cancel()
+        text = "".join(output)
+        summary = text.rstrip().rsplit("\n", 1)[-1] if text.strip() else "no output"
+        terminal.write(f" {summary}\n")
+        assert not timed_out.is_set(), f"{label}: no result after {timeout} s:\n{text[-4000:]}"
+        return proc.returncode, text
+
+    return run

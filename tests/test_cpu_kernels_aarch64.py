@@ -29,7 +29,7 @@ SOURCES = sorted((ROOT / "csrc" / "cpu").glob("kernel*.cpp")) + [ROOT / "tests" 
 
 
 @pytest.fixture(scope="module")
-def harness(tmp_path_factory):
+def harness(tmp_path_factory, terminal):
     out = tmp_path_factory.mktemp("aarch64")
 
     def compile_one(src):
@@ -39,10 +39,12 @@ def harness(tmp_path_factory):
         assert r.returncode == 0, f"{src.name}:\n{r.stderr[-4000:]}"
         return obj
 
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        objects = list(pool.map(compile_one, SOURCES))
-    exe = out / "check_kernels"
-    r = subprocess.run([CXX, "-static", *map(str, objects), "-o", str(exe)], capture_output=True, text=True, timeout=300)
+    with terminal.step(f"cross-compiling {len(SOURCES)} files of the CPU kernels for aarch64"):
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            objects = list(pool.map(compile_one, SOURCES))
+        exe = out / "check_kernels"
+        r = subprocess.run([CXX, "-static", *map(str, objects), "-o", str(exe)], capture_output=True, text=True,
+                           timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     return exe
 

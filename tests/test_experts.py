@@ -1,8 +1,6 @@
 """The expert-stack layout and torch.ops.marlin.moe_gemm on CPU against float64 references."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -171,16 +169,15 @@ def test_moe_gemm_equals_dense_gemm_per_pair():
 
 
 @pytest.mark.skipif(os.environ.get("TORCH_MARLIN_CPU_KERNELS") == "generic", reason="already the portable build")
-def test_portable_kernels_match_reference():
+def test_portable_kernels_match_reference(child_pytest):
     """The build without AVX2 (aarch64, older x86), forced by environment variable."""
     env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS="generic")
     tests = ["test_moe_gemm_matches_float64_reference and fp4-32", "test_moe_gemm_matches_float64_reference and uint4-64",
              "test_moe_gemm_routing_edge_cases and int4"]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                             "-k", " or ".join(f"({t})" for t in tests)], env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    returncode, output = child_pytest("test_experts.py reference tests under the generic build",
+                                      [__file__, "-k", " or ".join(f"({t})" for t in tests)], env, timeout=600)
+    assert returncode == 0, output[-6000:]
+    assert " passed" in output and " failed" not in output
 
 
 # --- bad input ----------------------------------------------------------------------

@@ -175,7 +175,7 @@ REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
-def test_kernel_build_matches_reference(build):
+def test_kernel_build_matches_reference(build, child_pytest):
     """Each build this CPU runs (avx512_bf16, avx512, avx2, generic on x86), forced by
     environment variable, dense and 2:4 ops; the aarch64 builds run under qemu in
     test_cpu_kernels_aarch64.py."""
@@ -185,10 +185,10 @@ def test_kernel_build_matches_reference(build):
     if build == info["selected"]:
         pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
     env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *REFERENCE_FILES,
-                             "-k", " or ".join(REFERENCE_TESTS)], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    returncode, output = child_pytest(f"test_ops.py, test_sparse24.py reference tests under the {build} build",
+                                      [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
+    assert returncode == 0, output[-6000:]
+    assert " passed" in output and " failed" not in output
 
 
 @pytest.mark.parametrize("build, message", [

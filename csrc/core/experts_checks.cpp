@@ -1,6 +1,6 @@
 #include "core/experts_checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 namespace marlin {
@@ -58,7 +58,7 @@ MoeShape check_moe_inputs(const at::Tensor& x, const at::Tensor& expert_ids,
 void check_expert_id_values(const at::Tensor& expert_ids, int64_t experts) {
   TORCH_INTERNAL_ASSERT(expert_ids.device().is_cpu());
   if (expert_ids.numel() == 0) return;
-  const at::Tensor bad = at::logical_or(expert_ids < 0, expert_ids >= experts);
+  const at::Tensor bad = expert_ids.lt(0).logical_or(expert_ids.ge(experts));
   if (!bad.any().item<bool>()) return;
   const at::Tensor where = bad.nonzero()[0];
   const int64_t t = where[0].item<int64_t>(), j = where[1].item<int64_t>();

@@ -1,6 +1,6 @@
 #include "core/sparse24_checks.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 namespace marlin {

@@ -11,7 +11,10 @@
 // beyond the GEMM's cache-sized tile. The epilogue adds the expert's bias,
 // applies the top-k weights and sums a token's experts in fp32, then rounds
 // once to x's dtype.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -30,7 +30,12 @@
 #define MARLIN_KERNEL_BF16_DOT 0
 #endif
 #if MARLIN_KERNEL_AVX512
+// GCC 12's own _mm512_undefined_ps (`__m512 __Y = __Y;`) trips -Wmaybe-uninitialized
+// wherever an AVX-512 intrinsic using it is inlined (hundreds of false warnings); GCC 13 fixed it.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #define MARLIN_VECTOR_BYTES 64
 #else
 #define MARLIN_VECTOR_BYTES 32

@@ -1,5 +1,6 @@
 // CPU implementations of torch.ops.marlin.* (schemas in csrc/registration.cpp).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,9 @@
 // blocks of rows, straight to the packed layout (docs/FORMAT.md);
 // _quantize_weight_sparse24 prunes each row to 2:4 first (torch_marlin/sparsity.py)
 // and writes the 2:4 layout.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -2,7 +2,8 @@
 // (schemas in csrc/registration.cpp, layout in docs/FORMAT.md). Kernels in
 // csrc/cpu/sparse24_kernels_impl.h, part of every kernel build: the build the
 // dense op runs (TORCH_MARLIN_CPU_KERNELS included) runs these too.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

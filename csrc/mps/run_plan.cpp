@@ -3,7 +3,8 @@
 // Plain C++, compiled on every platform (only encode_plan needs Metal), so the
 // MPS ops of every layout (registered by MARLIN_REGISTER_METAL_OP) build and
 // are type-checked in CI on Linux too.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "core/metal_plan.h"
 #include "mps/metal_encode.h"
