@@ -5,6 +5,7 @@
 // and writes the 2:4 layout.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
