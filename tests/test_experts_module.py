@@ -27,6 +27,7 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.marlin.moe_gemm.default, (x, ids, weights, *stack, bias, weight_format, 32))
         torch.library.opcheck(torch.ops.marlin.moe_gemm.default,
                               (torch.randn(3, 2, 64).half(), ids.int(), None, *stack, None, weight_format, 32))
+    q = random_stack(4, 64, 24, "int4", 32)
     torch.library.opcheck(torch.ops.marlin._moe_gemm_grad_x.default,
                           (torch.randn(3, 2, 24), ids, q.packed, q.scales, q.zeros, "int4", 32))
 

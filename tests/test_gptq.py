@@ -85,9 +85,8 @@ def implementation(w, h, weight_format, group_size, damp, act_order=False, block
     sol = problem.run(None)
     values = formats.code_values(sol.codes, weight_format).double()
     groups = torch.arange(k) // gs
-    if sol.zeros is not None:
-        values = values - sol.zeros.double()[:, groups]
-    q = values * sol.scales.double()[:, groups]
+    zeros = None if sol.zeros is None else sol.zeros.double()[:, groups]
+    q = formats.value_format(weight_format).weights(values, sol.scales.double()[:, groups], zeros)
     # The pass's loss (from its scaled errors) is the objective itself.
     assert sol.loss == pytest.approx(problem.loss_of(q), rel=1e-9)
     restored = torch.empty_like(q)

@@ -176,7 +176,7 @@ def test_patterns_that_match_nothing_are_warned_about():
                          ids=["sequential", "no-linear-layers"])
 @pytest.mark.parametrize("argument, message", [
     ({"group_size": 100}, r"group_size must be one of \(16, 32, 64, 128, 256, -1\), got 100"),
-    ({"weight_format": "nf4"}, r"weight_format must be one of \('fp4', 'uint4', 'int4'\), got 'nf4'"),
+    ({"weight_format": "nf3"}, r"weight_format must be one of \('fp4', 'uint4', 'int4', 'nf4', 'affine'\), got 'nf3'"),
     ({"method": "bogus"}, r"method must be one of \('mse', 'absmax', 'gptq'\), or with sparsity='2:4' one of "
                           r"\('magnitude', 'wanda', 'sparsegpt', 'mse', 'absmax'\); got 'bogus'"),
 ])

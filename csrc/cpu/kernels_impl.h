@@ -177,6 +177,11 @@ inline vf group_weight(vf v, vf scale, vf zero) {
 #endif
 constexpr bool kTableDecode = MARLIN_KERNEL_TABLE_DECODE;
 
+// M(0), ..., M(15): a table of the 16 codes' values written out for a vector initializer.
+#define MARLIN_CODES_LOW(M) M(0), M(1), M(2), M(3), M(4), M(5), M(6), M(7)
+#define MARLIN_CODES_HIGH(M) M(8), M(9), M(10), M(11), M(12), M(13), M(14), M(15)
+#define MARLIN_CODES(M) MARLIN_CODES_LOW(M), MARLIN_CODES_HIGH(M)
+
 // The general decode: the 16 values D::value(0..15), looked up by nibble j of
 // each word. AVX-512: one vpermps (it reads the low 4 bits of each index);
 // AVX2: two vpermps of 8 values (they read the low 3 bits) and a blend on bit
@@ -185,21 +190,15 @@ template <class D>
 inline vf table_nibble(vi w, int j) {
 #define MARLIN_V(i) D::value(i)
 #if MARLIN_KERNEL_AVX512
-  const vf values = {MARLIN_V(0),  MARLIN_V(1),  MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
-                     MARLIN_V(6),  MARLIN_V(7),  MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
-                     MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  const vf values = {MARLIN_CODES(MARLIN_V)};
   return _mm512_permutexvar_ps((__m512i)((vu)w >> (4 * j)), (__m512)values);
 #elif MARLIN_KERNEL_AVX2
-  const vf low = {MARLIN_V(0), MARLIN_V(1), MARLIN_V(2), MARLIN_V(3), MARLIN_V(4), MARLIN_V(5), MARLIN_V(6), MARLIN_V(7)};
-  const vf high = {MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
-                   MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  const vf low = {MARLIN_CODES_LOW(MARLIN_V)}, high = {MARLIN_CODES_HIGH(MARLIN_V)};
   const vi index = (vi)((vu)w >> (4 * j));
   return __builtin_ia32_blendvps256(__builtin_ia32_permvarsf256(low, index), __builtin_ia32_permvarsf256(high, index),
                                     (vf)(index << 28));  // bit 3 of the code into the sign: picks high
 #else
-  constexpr float values[16] = {MARLIN_V(0), MARLIN_V(1), MARLIN_V(2),  MARLIN_V(3),  MARLIN_V(4),  MARLIN_V(5),
-                                MARLIN_V(6), MARLIN_V(7), MARLIN_V(8),  MARLIN_V(9),  MARLIN_V(10), MARLIN_V(11),
-                                MARLIN_V(12), MARLIN_V(13), MARLIN_V(14), MARLIN_V(15)};
+  constexpr float values[16] = {MARLIN_CODES(MARLIN_V)};
   const vu index = ((vu)w >> (4 * j)) & 15;
   vf v;
   for (int l = 0; l < kLanes; ++l) v[l] = values[index[l]];
@@ -323,11 +322,7 @@ template <int F>
 inline vf decode_bf16_pairs(vi w, int64_t select) {
   typedef short v32s __attribute__((vector_size(64)));
 #define MARLIN_V(i) short(bf16_bits(code_value<F>(i)))
-#define MARLIN_V16 MARLIN_V(0), MARLIN_V(1), MARLIN_V(2), MARLIN_V(3), MARLIN_V(4), MARLIN_V(5), MARLIN_V(6), \
-                   MARLIN_V(7), MARLIN_V(8), MARLIN_V(9), MARLIN_V(10), MARLIN_V(11), MARLIN_V(12), MARLIN_V(13), \
-                   MARLIN_V(14), MARLIN_V(15)
-  const v32s values = {MARLIN_V16, MARLIN_V16};
-#undef MARLIN_V16
+  const v32s values = {MARLIN_CODES(MARLIN_V), MARLIN_CODES(MARLIN_V)};
 #undef MARLIN_V
   return (vf)_mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_set1_epi64(select), (__m512i)w),
                                       (__m512i)values);
@@ -443,11 +438,7 @@ inline GemvWords gemv_prepare(vi w) {
   if constexpr (FormatDecode<F>::kByteTable) {
     typedef char v32c __attribute__((vector_size(32)));
 #define MARLIN_B(i) char(2 * code_value<F>(i))
-#define MARLIN_B16 MARLIN_B(0), MARLIN_B(1), MARLIN_B(2), MARLIN_B(3), MARLIN_B(4), MARLIN_B(5), MARLIN_B(6), \
-                   MARLIN_B(7), MARLIN_B(8), MARLIN_B(9), MARLIN_B(10), MARLIN_B(11), MARLIN_B(12), MARLIN_B(13), \
-                   MARLIN_B(14), MARLIN_B(15)
-    const v32c twice_values = {MARLIN_B16, MARLIN_B16};
-#undef MARLIN_B16
+    const v32c twice_values = {MARLIN_CODES(MARLIN_B), MARLIN_CODES(MARLIN_B)};
 #undef MARLIN_B
     const vi low = w & 0x0F0F0F0F, high = (vi)((vu)w >> 4) & 0x0F0F0F0F;
     return {(vi)__builtin_ia32_pshufb256(twice_values, (v32c)low),

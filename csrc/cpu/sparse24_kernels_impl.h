@@ -435,7 +435,9 @@ vu sparse_gemv_stream(const Sparse24Args& a, int64_t m0, int64_t n0, int64_t n1)
         c.w = tail;
         c.meta = tail_meta;
       }
-      if (c.last) copy_halves(scale, a.scales + g * a.n + n0 + nb, left, kStrip);
+      // The scale buffer is one strip wide: affine decodes every word with it (group_weight),
+      // the other formats apply it once per group.
+      if (c.last || (kZerosAreBias<F> && !Dot)) copy_halves(scale, a.scales + g * a.n + n0 + nb, left, kStrip);
       c.zero = zeros + nb;
       c.part = part + nb;
       c.xpart = xpart + nb;
