@@ -92,6 +92,7 @@ for d in "${TORCH_INC[@]}" "$PY_INC"; do INCLUDES+=(-isystem "$d"); done
 # Selector / type / conversion / availability problems are errors.
 FLAGS=(-target "arm64-apple-macos$FLOOR" -std=c++20 -fsyntax-only
        -DTORCH_EXTENSION_NAME=_C -DTORCH_API_INCLUDE_EXTENSION_H
+       -DAT_PER_OPERATOR_HEADERS -DTORCH_ASSERT_ONLY_METHOD_OPERATORS
        -Werror=objc-method-access -Werror=incompatible-pointer-types
        -Werror=objc-protocol-method-implementation -Werror=undeclared-selector
        -Werror=arc-unsafe-retained-assign -Werror=int-conversion
