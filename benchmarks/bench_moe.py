@@ -158,7 +158,7 @@ def model_bytes(config, weight_format: str, group_size: int, quantize_linears: b
     linear layers but the output head) quantized, from the layouts' real tensors on meta."""
     import transformers
 
-    from torch_marlin.experts import find_experts_modules
+    from torch_marlin.moe import find_experts_modules
     from torch_marlin.linear import is_float_linear
 
     with torch.device("meta"):

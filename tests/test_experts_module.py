@@ -9,7 +9,7 @@ from torch import nn
 
 import torch_marlin as tm
 from torch_marlin import formats
-from torch_marlin.experts import UnsupportedExperts, experts_structure
+from torch_marlin.moe import UnsupportedExperts, experts_structure
 
 from test_experts import random_stack
 

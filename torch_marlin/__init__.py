@@ -3,7 +3,7 @@
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
 from .formats import E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference, pack_codes, unpack_codes
 from .linear import MarlinLinear, quantized_linear
-from .experts import MarlinExperts, MarlinExpertsLinear, quantize_experts
+from .moe import MarlinExperts, MarlinExpertsLinear, quantize_experts
 from .layouts import QuantizedExperts, SparseQuantizedWeight
 from .model import QuantizationReport, quantize_model
 from .quantize import QuantizedWeight, pack_fp4_weights, quantize_weight, register_quantizer

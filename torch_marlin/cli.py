@@ -105,7 +105,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _convert(args) -> int:
-    from .convert import convert
+    from .hf.converter import convert
 
     if args.max_shard_size <= 0:
         print("error: --max-shard-size must be a positive number of MiB", file=sys.stderr)

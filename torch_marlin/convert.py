@@ -1,10 +1,10 @@
 """`python -m torch_marlin.convert SRC DST ...`: the same as `torch-marlin convert SRC DST ...`.
 
-The converter lives in torch_marlin.hf.convert; `convert` and
+The converter lives in torch_marlin.hf.converter; `convert` and
 `ConversionSummary` are re-exported here, where the docs have always named them.
 """
 
-from .hf.convert import ConversionSummary, convert
+from .hf.converter import ConversionSummary, convert
 
 __all__ = ["ConversionSummary", "convert"]
 

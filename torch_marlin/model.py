@@ -11,7 +11,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 from torch import nn
 
 from . import formats
-from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
+from .moe import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
 from .sparsity import CALIBRATED_PRUNING, split_method
 

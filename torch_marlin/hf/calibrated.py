@@ -35,8 +35,8 @@ from ..gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP
 from ..model import QuantizationReport, matches_any, quantize_model
 from ..sparsity import CALIBRATED_PRUNING, split_method
 from .config import build_quantization_config
-from .layout import layout_of_model
-from .convert import DTYPES, _copy_other_files, _replace_directory, _umask, check_finite, check_paths
+from .model_layers import layout_of_model
+from .converter import DTYPES, _copy_other_files, _replace_directory, _umask, check_finite, check_paths
 from .errors import CheckpointError, import_transformers
 from .modules import keep_stacks_on_save, modules_table
 from .safetensors_io import index_single_file

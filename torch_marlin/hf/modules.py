@@ -9,11 +9,11 @@ from typing import Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from ..experts import MarlinExperts, MarlinExpertsLinear, UnsupportedExperts
+from ..moe import MarlinExperts, MarlinExpertsLinear, UnsupportedExperts
 from ..linear import MarlinLinear, PermutedInputMarlinLinear, QuantizedModule
 from ..model import quantize_model
 from .errors import CheckpointError
-from .layout import LinearSpec, ModelLayout, layout_of_model
+from .model_layers import LinearSpec, ModelLayout, layout_of_model
 
 
 def replace_with_empty_marlin(model: nn.Module, table: Dict[str, dict], device="meta") -> List[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set
 
-from ...experts import linear_stack, quantize_experts
+from ...moe import linear_stack, quantize_experts
 from ...layouts import QuantizedWeight, layout_for_sparsity
 from ...linear import linear_weight
 from ...model import matches_any, unmatched_patterns
 from ...sparsity import is_2to4
-from ..layout import ModelLayout, expert_parts, float_linear_modules
+from ..model_layers import ModelLayout, expert_parts, float_linear_modules
 from ..errors import CheckpointError
 from .base import ConvertedLayer, Importer, LayerPlan
 

@@ -2,7 +2,7 @@
 
 The model is instantiated on the meta device from its config (no memory,
 no weights), and its nn.Linear and transformers Conv1D modules and its
-experts modules' 3-D weight stacks (torch_marlin.experts) are listed.
+experts modules' 3-D weight stacks (torch_marlin.moe) are listed.
 Checkpoint names are matched to module names allowing for the base-model
 prefix ("model.", "bert.", "transformer.") being present on one side only.
 Checkpoints that store experts as per-expert linear layers
@@ -131,7 +131,7 @@ def describe_model(directory: str, tensor_shapes: Dict[str, tuple]) -> ModelLayo
 
 
 def layout_of_model(model: nn.Module) -> ModelLayout:
-    from ..experts import find_experts_modules
+    from ..moe import find_experts_modules
 
     layout = ModelLayout(prefix=getattr(model, "base_model_prefix", "") or "",
                          architecture=type(model).__name__)

@@ -30,7 +30,7 @@ from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization
 from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
-from .layout import describe_model, expert_parts
+from .model_layers import describe_model, expert_parts
 from .modules import layout_state
 from .safetensors_io import ShardedWriter
 
