@@ -159,7 +159,7 @@ def model_bytes(config, weight_format: str, group_size: int, quantize_linears: b
     import transformers
 
     from torch_marlin.moe import find_experts_modules
-    from torch_marlin.linear import is_float_linear
+    from torch_marlin.float_linear import is_float_linear
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)

@@ -21,7 +21,7 @@ import time
 import torch
 
 import torch_marlin as tm
-from torch_marlin.quantize import quantize_weight_reference
+from torch_marlin.layouts.dense import quantize_weight_reference
 
 
 def cpu_seconds() -> float:

@@ -5,7 +5,7 @@ import torch
 
 import torch_marlin as tm
 from torch_marlin import formats
-from torch_marlin.quantize import QuantizedWeight
+from torch_marlin.layouts import QuantizedWeight
 
 from reference import dequantize_one_by_one, e2m1_value, pack_one_by_one, weight_one_by_one
 

@@ -12,8 +12,9 @@ from torch import nn
 import torch_marlin
 from torch_marlin import formats
 from torch_marlin.calibration import CalibrationError
-from torch_marlin.gptq import _inverse_cholesky, _Problem, _weighted_search, gptq_quantize, output_error
-from torch_marlin.hf.modules import PermutedInputMarlinLinear
+from torch_marlin.calibration import output_error
+from torch_marlin.gptq import _inverse_cholesky, _Problem, _weighted_search, gptq_quantize
+from torch_marlin.linear import PermutedInputMarlinLinear
 
 from reference import weight_one_by_one
 

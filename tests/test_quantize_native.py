@@ -22,6 +22,7 @@ import torch
 
 import torch_marlin as tm
 from torch_marlin import formats, quantize
+from torch_marlin.layouts.dense import quantize_weight_reference
 
 FORMATS = formats.WEIGHT_FORMATS
 BUILDS = ["", "avx2", "generic"]  # "": the best this CPU runs
@@ -77,7 +78,7 @@ def hard_weights(n, k, dtype):
 def test_equals_reference(weight_format, group_size, method):
     for dtype, (n, k) in [(torch.float32, (19, 256)), (torch.bfloat16, (12, 200)), (torch.float16, (17, 40))]:
         w = hard_weights(n, k, dtype)
-        ref = quantize.quantize_weight_reference(w, weight_format, group_size, method)
+        ref = quantize_weight_reference(w, weight_format, group_size, method)
         for build in BUILDS:
             with kernel_build(build):
                 fast = tm.quantize_weight(w, weight_format, group_size, method)
@@ -89,7 +90,7 @@ def test_whole_row_groups_of_any_length(k):
     # group_size=-1: groups longer than 256 or not a power of two run the masked path.
     w = hard_weights(10, k, torch.float32)
     for weight_format in FORMATS:
-        ref = quantize.quantize_weight_reference(w, weight_format, -1, "mse")
+        ref = quantize_weight_reference(w, weight_format, -1, "mse")
         for build in BUILDS:
             with kernel_build(build):
                 assert_same(tm.quantize_weight(w, weight_format, -1, "mse"), ref, (build, weight_format))
@@ -111,7 +112,7 @@ def test_rounding_ties_and_boundaries(weight_format):
     row[62], row[63] = -top, top
     w = torch.stack([row, -row, row.flip(0)])
     for method in ("absmax", "mse"):
-        ref = quantize.quantize_weight_reference(w, weight_format, 64, method)
+        ref = quantize_weight_reference(w, weight_format, 64, method)
         for build in BUILDS:
             with kernel_build(build):
                 assert_same(tm.quantize_weight(w, weight_format, 64, method), ref, (build, method))
@@ -168,7 +169,7 @@ def test_portable_build_on_aarch64(tmp_path):
     for weight_format, group_size, k in [("fp4", 128, 200), ("uint4", 32, 96), ("int4", 16, 64), ("uint4", -1, 300),
                                         ("nf4", 64, 128), ("affine", 32, 96)]:
         w = hard_weights(11, k, torch.float32)
-        ref = quantize.quantize_weight_reference(w, weight_format, group_size, "mse")
+        ref = quantize_weight_reference(w, weight_format, group_size, "mse")
         kp = ref.padded_in_features
         length = formats.effective_group_size(kp, group_size)
         (tmp_path / "w.bin").write_bytes(w.numpy().tobytes())

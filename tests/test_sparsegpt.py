@@ -8,9 +8,10 @@ import torch
 
 import torch_marlin
 from torch_marlin import formats
-from torch_marlin.gptq import output_error
+from torch_marlin.calibration import output_error
 from torch_marlin.sparsegpt import sparsegpt, wanda, wanda_scores
-from torch_marlin.sparsity import is_2to4, mask_2to4, quantize_sparse
+from torch_marlin.layouts.sparse24 import quantize_sparse
+from torch_marlin.sparsity import is_2to4, mask_2to4
 
 
 def _problem(n=24, k=96, seed=0):

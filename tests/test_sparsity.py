@@ -12,7 +12,8 @@ from torch import nn
 import torch_marlin as tm
 from torch_marlin import formats
 from torch_marlin.layouts import QuantizedWeight, SparseQuantizedWeight
-from torch_marlin.sparsity import is_2to4, mask_2to4, quantize_sparse, quantize_sparse_reference
+from torch_marlin.layouts.sparse24 import quantize_sparse, quantize_sparse_reference
+from torch_marlin.sparsity import is_2to4, mask_2to4
 
 from test_ops import assert_close_to_reference
 from test_quantize_native import BUILDS, hard_weights, kernel_build
@@ -162,7 +163,8 @@ def test_registered_quantizers_quantize_kept_weights_in_python():
 
 _PEAK_GROWTH = """
 import json, torch, torch_marlin
-from torch_marlin.sparsity import is_2to4, quantize_sparse
+from torch_marlin.layouts.sparse24 import quantize_sparse
+from torch_marlin.sparsity import is_2to4
 torch.set_num_threads(1)
 def status(field):
     with open("/proc/self/status") as f:

@@ -2,11 +2,13 @@
 
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
 from .formats import E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference, pack_codes, unpack_codes
+from . import gptq, sparsegpt  # noqa: F401  (register the calibrated methods "gptq", "sparsegpt", "wanda")
 from .linear import MarlinLinear, quantized_linear
 from .moe import MarlinExperts, MarlinExpertsLinear, quantize_experts
-from .layouts import QuantizedExperts, SparseQuantizedWeight
+from .layouts import QuantizedExperts, QuantizedWeight, SparseQuantizedWeight
+from .layouts.dense import pack_fp4_weights, quantize_weight
 from .model import QuantizationReport, quantize_model
-from .quantize import QuantizedWeight, pack_fp4_weights, quantize_weight, register_quantizer
+from .quantize import register_quantizer
 from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
 
 __version__ = "0.1.0"

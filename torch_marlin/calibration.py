@@ -9,8 +9,9 @@ the module it returns in the layer's place. That module must have
 `in_features`, `out_features` and `dequantize(dtype) -> [out, in]` (and may
 have an int `input_perm` of its input columns, as PermutedInputMarlinLinear):
 until the end the model runs an nn.Linear holding that dequantized weight.
-torch_marlin.gptq uses it for GPTQ; a pruner (SparseGPT) or any other
-Hessian-based method can use it unchanged.
+`quantize_model_calibrated` drives it for quantize_model with any calibrated
+method of the registry (torch_marlin.quantize.register_calibrated_method: GPTQ,
+SparseGPT, Wanda); any other Hessian-based method can use the engine unchanged.
 
 Layers are quantized in the order the model first calls them, each on the
 inputs it receives from the model with all earlier layers already quantized.
@@ -42,6 +43,7 @@ positions where the mask is nonzero count. A model whose config has
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -50,7 +52,13 @@ from typing import Callable, Dict, Iterable, List, Optional
 import torch
 from torch import nn
 
-from .linear import is_conv1d
+from .float_linear import is_conv1d, linear_weight
+from .quantize import calibrated_method
+
+# Options of the Hessian-based methods (GPTQ, SparseGPT): damp * mean(diag H) is added to
+# diag(H); columns are updated in blocks of block_size.
+DEFAULT_DAMP = 0.01
+DEFAULT_BLOCK_SIZE = 128
 
 
 class CalibrationError(ValueError):
@@ -497,3 +505,54 @@ def _run_blocks(runner: _Runner, blocks: List[nn.Module], block_steps: Dict[int,
             for call, out in zip(calls, outputs):
                 fed = out[0] if found.output_is_tuple else out
                 call.args = (fed,) + tuple(call.args[1:])
+
+
+def output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Relative output error sqrt(tr(E H E^T) / tr(W H W^T)), E = W - dequantized, both [N, K]:
+    what a calibrated method minimizes. Computed in float64 for a float64 hessian, else in float32."""
+    dtype = torch.float64 if hessian.dtype == torch.float64 else torch.float32
+    h = hessian.detach().to(device="cpu", dtype=dtype)
+    w = weight.detach().to(device="cpu", dtype=dtype)
+    e = w - dequantized.detach().to(device="cpu", dtype=dtype)
+    reference = float(((w @ h) * w).sum(dtype=torch.float64))
+    error = float(((e @ h) * e).sum(dtype=torch.float64))
+    return math.sqrt(max(error, 0.0) / reference) if reference > 0 else 0.0
+
+
+def quantize_model_calibrated(model: nn.Module, targets: Dict[str, nn.Module], report, method: str,
+                              weight_format: str, group_size: int, calibration, from_linear: Callable,
+                              **options) -> None:
+    """quantize_model with a calibrated method (`method`: a name registered with
+    torch_marlin.quantize.register_calibrated_method, e.g. "gptq", "sparsegpt"): the layers
+    `targets` ({name: nn.Linear or Conv1D}) quantized in forward order (quantize_sequentially),
+    each module built by `from_linear` (MarlinLinear.from_linear) with the layer's Hessian.
+    Fills `report` (a QuantizationReport): every layer, and its relative output error next to
+    the method's baseline (the quantizer "mse" in the same layout: round to nearest, magnitude 2:4)."""
+    calibrated = calibrated_method(method)
+    calibrated.check_options(weight_format, group_size, **options)
+    report.method_name, report.baseline_name = calibrated.label, calibrated.baseline
+    damp = options.get("damp", DEFAULT_DAMP)
+    start = time.perf_counter()
+
+    def quantize_unreached(name, linear):
+        module = from_linear(linear, weight_format, group_size, "mse", sparsity=calibrated.sparsity)
+        report.record(name, linear, module)
+        return module
+
+    def quantize_layer(name, linear, hessian):
+        module = from_linear(linear, weight_format, group_size, method, sparsity=calibrated.sparsity,
+                             hessian=hessian, **options)
+        if module.damp > damp:
+            warnings.warn(f"layer {name!r}: its Hessian needed damp={module.damp:g} (asked {damp:g}) "
+                          f"to be positive definite; more or more varied calibration data helps", stacklevel=4)
+        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+        baseline = from_linear(linear, weight_format, group_size, "mse", sparsity=calibrated.sparsity)
+        report.output_errors[name] = (output_error(weight, baseline.quantized_weight().to("cpu").dequantize(),
+                                                   hessian.float()), module.output_error)
+        report.record(name, linear, module)
+        return module
+
+    stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)
+    report.unreached = list(stats.unreached)
+    report.calibration_batches = stats.batches
+    report.seconds = time.perf_counter() - start

@@ -35,10 +35,9 @@ from typing import Optional, Tuple
 import torch
 
 from . import formats
-from .quantize import QuantizedWeight, _to_fp16_scale, _values
+from .calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP
+from .quantize import CalibratedMethod, QuantizedCodes, _to_fp16_scale, _values, register_calibrated_method
 
-DEFAULT_DAMP = 0.01
-DEFAULT_BLOCK_SIZE = 128
 DEFAULT_REFINE_ROUNDS = 1
 _CLIP_RATIOS = torch.linspace(1.0, 0.6, 21).tolist()
 _SEARCH_REFITS = 2
@@ -49,7 +48,7 @@ _INNER_BLOCK = 32
 
 @dataclass
 class GPTQResult:
-    qweight: QuantizedWeight  # K in act order when input_perm is set
+    qweight: object  # the codes packed in the dense layout (QuantizedWeight); K in act order when input_perm is set
     input_perm: Optional[torch.Tensor]  # int32 [in_features] or None
     relative_output_error: float  # sqrt(tr(E H E^T) / tr(W H W^T)) on the given H
     damp: float  # relative damping actually used
@@ -128,26 +127,14 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, weight_format: st
         inverse = torch.argsort(perm)
         codes = torch.cat([codes[:, :k][:, inverse], codes[:, k:]], dim=1)
         perm = None
-    q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
-                                   weight_format, group_size, in_features=k, out_features=n)
     deq = _dequantize(best.codes, best.scales, best.zeros, weight_format, gs)
     norm = float(problem.w.norm())
-    q.relative_error = float((problem.w - deq).norm()) / norm if norm > 0 else 0.0
+    error = float((problem.w - deq).norm()) / norm if norm > 0 else 0.0
+    q = QuantizedCodes("dense", codes.t(), scales.t(), None if zeros is None else zeros.t(), weight_format,
+                       group_size, k, n, error)
     reference = float((problem.hw * problem.w).sum(dtype=torch.float64))  # tr(W H W^T)
     rel_out = math.sqrt(best.loss / reference) if reference > 0 else 0.0
-    return GPTQResult(q, None if perm is None else perm.to(torch.int32), rel_out, used_damp)
-
-
-def output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch.Tensor) -> float:
-    """Relative output error sqrt(tr(E H E^T) / tr(W H W^T)), E = W - dequantized, both [N, K];
-    computed in float64 for a float64 hessian, else in float32."""
-    dtype = torch.float64 if hessian.dtype == torch.float64 else torch.float32
-    h = hessian.detach().to(device="cpu", dtype=dtype)
-    w = weight.detach().to(device="cpu", dtype=dtype)
-    e = w - dequantized.detach().to(device="cpu", dtype=dtype)
-    reference = float(((w @ h) * w).sum(dtype=torch.float64))
-    error = float(((e @ h) * e).sum(dtype=torch.float64))
-    return math.sqrt(max(error, 0.0) / reference) if reference > 0 else 0.0
+    return GPTQResult(q.pack(), None if perm is None else perm.to(torch.int32), rel_out, used_damp)
 
 
 # --- internals -------------------------------------------------------------------------
@@ -418,73 +405,4 @@ def _weighted_search(group: torch.Tensor, cost: torch.Tensor, weight_format: str
     return best_s, best_z
 
 
-# --- modules and models ------------------------------------------------------------------
-
-def gptq_linear(linear, weight_format: str = "fp4", group_size: int = 128, hessian: torch.Tensor = None,
-                act_order: bool = False, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
-                refine_rounds: int = DEFAULT_REFINE_ROUNDS):
-    """MarlinLinear.from_linear(..., method="gptq", hessian=H): a MarlinLinear, or a
-    PermutedInputMarlinLinear when act_order permuted K. Sets `quantization_error`
-    (relative weight error) and `output_error` (relative output error on H)."""
-    from torch import nn
-
-    from .hf.modules import PermutedInputMarlinLinear
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-
-    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-        raise TypeError(f"linear must be an nn.Linear (or transformers Conv1D), got {type(linear).__name__}")
-    if hessian is None:
-        raise ValueError("method='gptq' needs hessian=H, the [in_features, in_features] matrix "
-                         "mean(x x^T) of the layer's inputs (or use quantize_model(..., calibration=...))")
-    result = gptq_quantize(linear_weight(linear.weight.detach(), is_conv1d(linear)), hessian, weight_format, group_size, act_order=act_order,
-                           damp=damp, block_size=block_size, refine_rounds=refine_rounds)
-    bias = None if linear.bias is None else linear.bias.detach().cpu()
-    module = MarlinLinear.from_quantized(result.qweight, bias)
-    if result.input_perm is not None:
-        permuted = PermutedInputMarlinLinear(module.in_features, module.out_features, bias is not None,
-                                             weight_format, group_size, dtype=None if bias is None else bias.dtype)
-        permuted.load_state_dict(module.state_dict(), strict=False)
-        permuted.input_perm.copy_(result.input_perm)
-        module = permuted
-    module.quantization_error = result.qweight.relative_error
-    module.output_error = result.relative_output_error
-    module.damp = result.damp
-    return module.to(linear.weight.device)
-
-
-def quantize_model_gptq(model, targets, report, weight_format: str, group_size: int, calibration,
-                        act_order: bool = False, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
-                        refine_rounds: int = DEFAULT_REFINE_ROUNDS) -> None:
-    """quantize_model(method="gptq"): sequential GPTQ of `targets` ({name: nn.Linear or Conv1D}), filling `report`."""
-    import time
-    import warnings
-
-    from .calibration import quantize_sequentially
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-    from .quantize import quantize_weight
-
-    check_options(weight_format, group_size, act_order, damp, block_size, refine_rounds)
-    start = time.perf_counter()
-
-    def quantize_layer(name, linear, hessian):
-        quantized = gptq_linear(linear, weight_format, group_size, hessian, act_order, damp, block_size,
-                                refine_rounds)
-        if quantized.damp > damp:
-            warnings.warn(f"layer {name!r}: its Hessian needed damp={quantized.damp:g} (asked {damp:g}) "
-                          f"to be positive definite; more or more varied calibration data helps", stacklevel=4)
-        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        rtn = quantize_weight(weight, weight_format, group_size, "mse")
-        report.output_errors[name] = (output_error(weight, rtn.dequantize(), hessian.float()),
-                                      quantized.output_error)
-        report.record(name, linear, quantized)
-        return quantized
-
-    def quantize_unreached(name, linear):
-        quantized = MarlinLinear.from_linear(linear, weight_format, group_size, "mse")
-        report.record(name, linear, quantized)
-        return quantized
-
-    stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)
-    report.unreached = list(stats.unreached)
-    report.calibration_batches = stats.batches
-    report.seconds = time.perf_counter() - start
+register_calibrated_method("gptq", CalibratedMethod("GPTQ", "round to nearest", None, check_options, gptq_quantize))

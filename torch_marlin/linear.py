@@ -8,25 +8,11 @@ import torch
 from torch import nn
 
 from . import formats
+from .float_linear import is_conv1d, linear_weight
 from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes
-
-
-def is_conv1d(module: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2 family): a linear layer that stores its weight as [in, out]."""
-    cls = type(module)
-    return cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils"
-
-
-def is_float_linear(module: nn.Module) -> bool:
-    """A float linear layer MarlinLinear can replace: nn.Linear or Conv1D, exactly
-    (subclasses may carry behaviour that replacing them would drop)."""
-    return type(module) is nn.Linear or is_conv1d(module)
-
-
-def linear_weight(weight: torch.Tensor, conv1d: bool = False) -> torch.Tensor:
-    """A linear layer's stored weight as the nn.Linear convention W [out, in]."""
-    return weight.t() if conv1d else weight
+from .quantize import calibrated_method
+from .sparsity import split_method
 
 
 class QuantizedModule(nn.Module):
@@ -169,23 +155,16 @@ class MarlinLinear(QuantizedModule):
         (method "magnitude" or a quantizer name), or with method="sparsegpt" | "wanda" and
         `hessian` (damp / block_size: torch_marlin.sparsegpt); a weight that is already 2:4
         keeps its pattern."""
-        from .sparsity import CALIBRATED_PRUNING, split_method
-
         layout = _choose_layout(None, sparsity)
         pruning, quantizer = split_method(method, sparsity)
-        if pruning in CALIBRATED_PRUNING:
-            from .sparsegpt import sparse_linear
-
-            return sparse_linear(linear, weight_format, group_size, pruning, hessian, **options)
-        if method == "gptq":
-            from .gptq import gptq_linear
-
-            return gptq_linear(linear, weight_format, group_size, hessian, **options)
+        calibrated = calibrated_method(pruning or method)
+        if calibrated is not None:
+            return _from_calibrated(linear, calibrated, pruning or method, weight_format, group_size, hessian,
+                                    **options)
         if hessian is not None or options:
             raise ValueError(f"hessian/{sorted(options) or 'options'} are only used by method='gptq' "
                              f"(and with sparsity='2:4' by 'sparsegpt' and 'wanda'), got method={method!r}")
-        if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        _check_linear(linear)
         if linear.weight.device.type == "meta":
             raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
         weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
@@ -202,6 +181,38 @@ class MarlinLinear(QuantizedModule):
         layout = "" if self.layout is QuantizedWeight else f", layout={self.layout.LAYOUT}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, {self._weight_repr()}{layout}")
+
+
+def _check_linear(linear) -> None:
+    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
+        raise TypeError(f"linear must be an nn.Linear (or transformers Conv1D), got {type(linear).__name__}")
+
+
+def _from_calibrated(linear, calibrated, method: str, weight_format: str, group_size: int, hessian,
+                     **options) -> "MarlinLinear":
+    """from_linear with a calibrated method (torch_marlin.quantize.calibrated_method): a
+    MarlinLinear, or a PermutedInputMarlinLinear when the method permuted K (GPTQ act_order).
+    Sets `quantization_error` (relative weight error), `output_error` (relative output
+    error on H) and `damp` (the damping used)."""
+    _check_linear(linear)
+    if hessian is None:
+        raise ValueError(f"method={method!r} needs hessian=H, the [in_features, in_features] matrix "
+                         f"mean(x x^T) of the layer's inputs (or use quantize_model(..., calibration=...))")
+    calibrated.check_options(weight_format, group_size, **options)
+    weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+    result = calibrated.quantize(weight, hessian, weight_format, group_size, **options)
+    bias = None if linear.bias is None else linear.bias.detach().cpu()
+    module = MarlinLinear.from_quantized(result.qweight, bias)
+    if result.input_perm is not None:
+        permuted = PermutedInputMarlinLinear(module.in_features, module.out_features, bias is not None,
+                                             weight_format, group_size, dtype=None if bias is None else bias.dtype)
+        permuted.load_state_dict(module.state_dict(), strict=False)
+        permuted.input_perm.copy_(result.input_perm)
+        module = permuted
+    module.quantization_error = result.qweight.relative_error
+    module.output_error = result.relative_output_error
+    module.damp = result.damp
+    return module.to(linear.weight.device)
 
 
 def _choose_layout(layout, sparsity) -> Type[QuantizedLayout]:

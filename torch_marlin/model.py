@@ -11,9 +11,12 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 from torch import nn
 
 from . import formats
+from .calibration import quantize_model_calibrated
+from .float_linear import is_float_linear
+from .linear import MarlinLinear
 from .moe import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
-from .linear import MarlinLinear, is_float_linear
-from .sparsity import CALIBRATED_PRUNING, split_method
+from .quantize import calibrated_method
+from .sparsity import split_method
 
 Patterns = Union[str, Iterable[str], None]
 
@@ -142,16 +145,10 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
         else:
             targets.append(name)
     layers = {name: model.get_submodule(name) for name in targets}
-    if pruning in CALIBRATED_PRUNING:
-        from .sparsegpt import quantize_model_sparse
-
-        quantize_model_sparse(model, layers, report, weight_format, group_size, calibration, pruning, **options)
+    if calibrated_method(pruning or method) is not None:
+        quantize_model_calibrated(model, layers, report, pruning or method, weight_format, group_size, calibration,
+                                  MarlinLinear.from_linear, **options)
         quantizer = "mse"  # for the expert stacks
-    elif method == "gptq":
-        from .gptq import quantize_model_gptq
-
-        quantize_model_gptq(model, layers, report, weight_format, group_size, calibration, **options)
-        quantizer = "mse"
     else:
         if calibration is not None or options:
             raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .layouts import QuantizedExperts
+from .layouts.dense import quantize_weight
 from .linear import QuantizedModule
-from .quantize import quantize_weight
 
 
 class UnsupportedExperts(ValueError):

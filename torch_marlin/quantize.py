@@ -1,23 +1,29 @@
-"""Quantizers: float nn.Linear weights [N, K] -> packed torch_marlin weights.
+"""Quantizers: float nn.Linear weights [N, K] -> 4-bit codes, scales and zeros.
 
 Every quantizer here is round-to-nearest with one scale (and for uint4 one
 zero point, for affine one bias) per group of K. `method="absmax"` takes the scale from the group's
 range; `method="mse"` (default) searches clipped ranges and refits scale (and
 zero) by least squares on the chosen codes, keeping whatever gives the
 smallest squared reconstruction error with the scales rounded to fp16 as
-stored. Both are deterministic. Calibration-based methods (GPTQ, AWQ) plug in
-through the same `Quantizer` interface and `register_quantizer`.
+stored. Both are deterministic. Further quantizers plug in through the same
+`Quantizer` interface and `register_quantizer`; methods that need the
+layer's input Hessian (GPTQ, SparseGPT, Wanda) through `register_calibrated_method`.
+
+This is the floor of the algorithms (with sparsity.py, gptq.py, sparsegpt.py and
+calibration.py): they return codes (QuantizedCodes) and import no layout; a
+layout packs them (torch_marlin/layouts/, `QuantizedLayout.pack`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
 from . import formats
 from .formats import FP16_MAX
-from .layouts.dense import QuantizedWeight
+from .layout_registry import layout_named
 
 # Rows of N quantized at once: bounds the search's temporary memory.
 _ROW_CHUNK_ELEMENTS = 1 << 20
@@ -40,20 +46,34 @@ def quantizer_names() -> Tuple[str, ...]:
     return tuple(_QUANTIZERS)
 
 
-def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse") -> QuantizedWeight:
-    """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs."""
+@dataclass
+class QuantizedCodes:
+    """A quantizer's result before a layout packs it: codes in K order with their group
+    scales (and zeros), K padded as `layout` needs."""
+
+    layout: str  # LAYOUT of the layout class that packs these ("dense", "sparse24")
+    codes: torch.Tensor  # uint8 [K, N], 0..15 (sparse24: the kept codes [K/2, N])
+    scales: torch.Tensor  # fp16 [G, N]
+    zeros: Optional[torch.Tensor]  # fp16 [G, N] for formats with zeros, else None
+    weight_format: str
+    group_size: int
+    in_features: int  # unpadded K
+    out_features: int  # N
+    relative_error: float = float("nan")  # ||W - Wq|| / ||W||
+    positions: Optional[torch.Tensor] = None  # sparse24: uint8 [K/2, N], each kept code's place in its block of 4
+
+    def pack(self):
+        """These codes in their layout (torch_marlin.layouts), looked up by name."""
+        return layout_named(self.layout).pack(self)
+
+
+def quantize_codes(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                   method: str = "mse") -> QuantizedCodes:
+    """Quantize an nn.Linear weight [N, K] with the registered Python quantizer `method`,
+    K zero-padded to what the dense layout needs: the specification of the C++ path of
+    "mse" and "absmax" (torch_marlin.layouts.dense.quantize_weight), and the path of every
+    other quantizer."""
     check_float_weight(weight, weight_format, group_size, method)
-    search = native_search(method)
-    if search is not None:
-        return _quantize_native(weight, weight_format, group_size, search)
-    return quantize_weight_reference(weight, weight_format, group_size, method)
-
-
-def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
-                              method: str = "mse") -> QuantizedWeight:
-    """quantize_weight in plain torch, through the registered Python quantizer: the
-    specification of the C++ path of "mse" and "absmax", and the path of every other method."""
     n, k = weight.shape
     kp = formats.padded_in_features(k, group_size)
     gs = formats.effective_group_size(kp, group_size)
@@ -77,10 +97,13 @@ def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", 
             zeros[r0:r0 + rows] = z
         err2 += e
         norm2 += float((chunk ** 2).sum())
-    q = QuantizedWeight.from_codes(codes.t(), scales.t(), None if zeros is None else zeros.t(),
-                                   weight_format, group_size, in_features=k, out_features=n)
-    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
-    return q
+    return QuantizedCodes("dense", codes.t(), scales.t(), None if zeros is None else zeros.t(), weight_format,
+                          group_size, k, n, relative_error(err2, norm2))
+
+
+def relative_error(err2: float, norm2: float) -> float:
+    """sqrt(err2 / norm2), 0 for a zero weight."""
+    return (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
 
 
 def check_float_weight(weight, weight_format: str, group_size: int, method: str) -> None:
@@ -101,15 +124,6 @@ def quantize_groups(groups: torch.Tensor, weight_format: str, method: str):
     c, s, z = _QUANTIZERS[method](groups, weight_format, groups.shape[-1])
     err2 = float(((_reconstruct(c, s, z, weight_format) - groups) ** 2).sum())
     return c, s, z, err2
-
-
-def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
-    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
-
-    An fp4-only shorthand; `quantize_weight` is the general form.
-    """
-    q = quantize_weight(weight, "fp4", group_size)
-    return q.packed, q.scales
 
 
 # The built-in quantizers also run in C++ (torch.ops.marlin._quantize_weight,
@@ -133,18 +147,7 @@ def run_native(op, weight: torch.Tensor, weight_format: str, group_size: int, se
         w = w.to("cpu", w.dtype if w.dtype in _NATIVE_DTYPES else torch.float32)
     ratios, rounds = _search_space(search)
     *outputs, sums = op(w, weight_format, group_size, ratios, rounds, *more)
-    err2, norm2 = sums.tolist()
-    return outputs, (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
-
-
-def _quantize_native(weight: torch.Tensor, weight_format: str, group_size: int, search: bool) -> QuantizedWeight:
-    (packed, scales, zeros), error = run_native(torch.ops.marlin._quantize_weight, weight, weight_format,
-                                                group_size, search)
-    n, k = weight.shape
-    q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
-                        in_features=k, out_features=n)
-    q.relative_error = error
-    return q
+    return outputs, relative_error(*sums.tolist())
 
 
 # --- rounding (the format's descriptor, formats.VALUE_FORMATS) --------------------------
@@ -320,3 +323,37 @@ register_quantizer("mse", _rtn(search=True))
 register_quantizer("absmax", _rtn(search=False))
 # Registered Python quantizer -> `search` of its C++ implementation.
 _NATIVE = {_QUANTIZERS["mse"]: True, _QUANTIZERS["absmax"]: False}
+
+
+# --- calibrated methods -------------------------------------------------------------
+# Quantizers that need the layer's input Hessian H = mean(x x^T) (calibration data),
+# registered by their modules (gptq.py, sparsegpt.py). MarlinLinear.from_linear(method=,
+# hessian=) and quantize_model(method=, calibration=) look them up here.
+
+@dataclass(frozen=True)
+class CalibratedMethod:
+    label: str  # its name in reports, "GPTQ"
+    baseline: str  # what reports compare it with, "round to nearest" (the quantizer "mse")
+    sparsity: Optional[str]  # the sparsity of the layout it produces (None: dense)
+    # (weight_format, group_size, **options): raises on bad options before any work.
+    check_options: Callable[..., None]
+    # (weight [N, K], hessian [K, K], weight_format, group_size, **options) -> a result with
+    # qweight (a layout), input_perm (int32 [K] or None), relative_output_error, damp.
+    quantize: Callable[..., object]
+
+
+_CALIBRATED: Dict[str, CalibratedMethod] = {}
+
+
+def register_calibrated_method(name: str, method: CalibratedMethod) -> None:
+    _CALIBRATED[name] = method
+
+
+def calibrated_method(name: str) -> Optional[CalibratedMethod]:
+    """The calibrated method registered as `name`; None for any other name."""
+    return _CALIBRATED.get(name)
+
+
+def calibrated_method_names(sparsity: Optional[str]) -> Tuple[str, ...]:
+    """The calibrated methods producing layouts of `sparsity` (None: dense), in registration order."""
+    return tuple(name for name, m in _CALIBRATED.items() if m.sparsity == sparsity)

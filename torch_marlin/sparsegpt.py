@@ -24,27 +24,28 @@ then only quantizes, with the error feedback).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import formats
-from .gptq import (DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, _block_columns, _codes_of, _inverse_cholesky, _quantize_column,
-                   _weighted_search, check_hessian, check_options, output_error)
-from .layouts.sparse24 import SparseQuantizedWeight, compress, padded_in_features
-from .sparsity import is_2to4, mask_2to4, quantize_sparse
+from .calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, output_error
+from .gptq import _block_columns, _codes_of, _inverse_cholesky, _quantize_column, _weighted_search, check_hessian, check_options
+from .layout_registry import layout_for_sparsity
+from .quantize import CalibratedMethod, QuantizedCodes, register_calibrated_method
+from .sparsity import compress, is_2to4, mask_2to4, padded_in_features
 
 _INNER = 32  # columns per inner block of rank-1 updates (a multiple of 4, divides or is divided by a group)
 
 
 @dataclass
 class SparseGPTResult:
-    qweight: Optional[SparseQuantizedWeight]  # None when weight_format is None
+    qweight: object  # the 2:4 layout (SparseQuantizedWeight); None when weight_format is None
     pruned: torch.Tensor  # the weight as computed [N, K] float32 (pruned, quantized unless weight_format is None)
     relative_output_error: float  # sqrt(tr(E H E^T) / tr(W H W^T)) on the given H
     damp: float
+    input_perm: Optional[torch.Tensor] = None  # K is never permuted
 
 
 def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, weight_format: Optional[str] = "fp4",
@@ -125,11 +126,11 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, weight_format: Option
     qweight = None
     if quantize:
         kept, positions = compress(values.t(), mask.t(), "values")
-        codes = _codes_of(kept, weight_format)
-        qweight = SparseQuantizedWeight.from_kept(codes, positions, scales.t(), None if zeros is None else zeros.t(),
-                                                  weight_format, group_size, in_features=k, out_features=n)
         norm = float(original.norm())
-        qweight.relative_error = float((original - deq).norm()) / norm if norm > 0 else 0.0
+        codes = QuantizedCodes("sparse24", _codes_of(kept, weight_format), scales.t(),
+                               None if zeros is None else zeros.t(), weight_format, group_size, k, n,
+                               float((original - deq).norm()) / norm if norm > 0 else 0.0, positions=positions)
+        qweight = codes.pack()
     return SparseGPTResult(qweight, deq[:, :k], rel_out, used_damp)
 
 
@@ -158,71 +159,22 @@ def wanda(weight: torch.Tensor, hessian: torch.Tensor, weight_format: Optional[s
         keep = mask_2to4(torch.nn.functional.pad(scores, (0, -w.shape[1] % 4), value=-1.0))[:, :w.shape[1]]
         pruned = w if is_2to4(w) else w * keep
         return SparseGPTResult(None, pruned, output_error(w, pruned, h.float()), 0.0)
-    q = quantize_sparse(weight, weight_format, group_size, quantizer, scores=scores)
+    # The kept weights are quantized by the 2:4 layout (in C++ for "mse" and "absmax").
+    q = layout_for_sparsity("2:4").from_float(weight, weight_format, group_size, quantizer, scores=scores)
     return SparseGPTResult(q, q.dequantize(), output_error(weight, q.dequantize(), h.float()), 0.0)
 
 
-CALIBRATED_METHODS = ("sparsegpt", "wanda")  # pruning methods that need a Hessian (calibration data)
-_NAMES = {"sparsegpt": "SparseGPT", "wanda": "Wanda"}
-
-
-def sparse_linear(linear, weight_format: str = "fp4", group_size: int = 128, method: str = "sparsegpt",
-                  hessian: torch.Tensor = None, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE):
-    """MarlinLinear.from_linear(..., sparsity="2:4", method="sparsegpt" | "wanda", hessian=H): a
-    MarlinLinear in the 2:4 layout. Sets `quantization_error` (relative weight error) and
-    `output_error` (relative output error on H)."""
-    from torch import nn
-
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-
-    if method not in CALIBRATED_METHODS:
-        raise ValueError(f"method must be one of {CALIBRATED_METHODS}, got {method!r}")
-    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-        raise TypeError(f"linear must be an nn.Linear (or transformers Conv1D), got {type(linear).__name__}")
-    if hessian is None:
-        raise ValueError(f"method={method!r} needs hessian=H, the [in_features, in_features] matrix "
-                         f"mean(x x^T) of the layer's inputs (or use quantize_model(..., calibration=...))")
-    weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-    if method == "sparsegpt":
-        result = sparsegpt(weight, hessian, weight_format, group_size, damp, block_size)
-    else:
-        check_options(weight_format, group_size, False, damp, block_size, 0)
-        result = wanda(weight, hessian, weight_format, group_size)
-    bias = None if linear.bias is None else linear.bias.detach().cpu()
-    module = MarlinLinear.from_quantized(result.qweight, bias)
-    module.quantization_error = result.qweight.relative_error
-    module.output_error = result.relative_output_error
-    return module.to(linear.weight.device)
-
-
-def quantize_model_sparse(model, targets, report, weight_format: str, group_size: int, calibration, method: str,
-                          damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-    """quantize_model(sparsity="2:4", method="sparsegpt" | "wanda", calibration=...): sequential,
-    filling `report` (output_errors: relative output error of magnitude 2:4 and of the method)."""
-    import time
-
-    from .calibration import quantize_sequentially
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-
+def _check_options(weight_format: str, group_size: int, damp: float = DEFAULT_DAMP,
+                   block_size: int = DEFAULT_BLOCK_SIZE) -> None:
     check_options(weight_format, group_size, False, damp, block_size, 0)
-    report.method_name, report.baseline_name = _NAMES[method], "magnitude 2:4"
-    start = time.perf_counter()
 
-    def quantize_layer(name, linear, hessian):
-        module = sparse_linear(linear, weight_format, group_size, method, hessian, damp, block_size)
-        weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-        magnitude = quantize_sparse(weight, weight_format, group_size, "mse")
-        report.output_errors[name] = (output_error(weight, magnitude.dequantize(), hessian.float()),
-                                      module.output_error)
-        report.record(name, linear, module)
-        return module
 
-    def quantize_unreached(name, linear):
-        module = MarlinLinear.from_linear(linear, weight_format, group_size, "mse", sparsity="2:4")
-        report.record(name, linear, module)
-        return module
+def _wanda_layer(weight, hessian, weight_format: str, group_size: int, damp: float = DEFAULT_DAMP,
+                 block_size: int = DEFAULT_BLOCK_SIZE) -> SparseGPTResult:
+    """wanda with the options of the calibrated methods (it uses neither)."""
+    return wanda(weight, hessian, weight_format, group_size)
 
-    stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)
-    report.unreached = list(stats.unreached)
-    report.calibration_batches = stats.batches
-    report.seconds = time.perf_counter() - start
+
+register_calibrated_method("wanda", CalibratedMethod("Wanda", "magnitude 2:4", "2:4", _check_options, _wanda_layer))
+register_calibrated_method("sparsegpt", CalibratedMethod("SparseGPT", "magnitude 2:4", "2:4", _check_options,
+                                                         sparsegpt))

@@ -1,5 +1,6 @@
-"""2:4 pruning: which two of every four weights along K to keep, and the
-float nn.Linear weight -> SparseQuantizedWeight path.
+"""2:4 pruning: which two of every four weights along K to keep, and the kept
+weights of a float nn.Linear weight quantized to codes (the 2:4 layout,
+torch_marlin/layouts/sparse24.py, packs them: quantize_sparse).
 
 Masks are chosen on the real-valued weights before quantizing (never on raw
 codes). A weight that is already 2:4 (at most two nonzeros in every aligned
@@ -16,15 +17,47 @@ from typing import Optional, Tuple
 import torch
 
 from . import formats
-from .layouts.base import layout_for_sparsity
-from .layouts.sparse24 import BLOCK, SparseQuantizedWeight, compress, padded_in_features
-from .quantize import (_ROW_CHUNK_ELEMENTS, check_float_weight, native_search, quantize_groups, quantizer_names,
-                       run_native)
+from .layout_registry import layout_for_sparsity
+from .quantize import (_ROW_CHUNK_ELEMENTS, QuantizedCodes, calibrated_method, calibrated_method_names,
+                       quantize_groups, quantizer_names, relative_error)
 
-# Pruning methods of quantize_model(..., sparsity="2:4", method=...). magnitude
-# needs no data; wanda (|w| * ||x||) and sparsegpt need calibration inputs.
-PRUNING_METHODS = ("magnitude", "wanda", "sparsegpt")
-CALIBRATED_PRUNING = ("wanda", "sparsegpt")  # torch_marlin.sparsegpt
+BLOCK = 4  # weights per 2:4 block along K
+# K rows per metadata word of the 2:4 layout (8 blocks): K is padded to whole words, so the
+# pruning quantizers produce codes for that K.
+METADATA_ROWS = 32
+
+
+def padded_in_features(in_features: int, group_size: int) -> int:
+    """Smallest K >= in_features that the 2:4 layout accepts: whole metadata words and groups."""
+    formats.check_group_size(group_size)
+    multiple = METADATA_ROWS if group_size == -1 else max(METADATA_ROWS, group_size)
+    return -(-in_features // multiple) * multiple
+
+
+def compress(t: torch.Tensor, mask: torch.Tensor, name: str = "codes") -> Tuple[torch.Tensor, torch.Tensor]:
+    """The kept entries of t [K, N] under a 2:4 mask [K, N] along K, as ([K/2, N], positions [K/2, N])."""
+    check_mask(mask, "mask", dim=0)
+    if not isinstance(t, torch.Tensor) or t.shape != mask.shape:
+        raise ValueError(f"{name} must have the mask's shape {list(mask.shape)}, got {formats._describe(t)}")
+    k, n = t.shape
+    blocks = mask.view(k // BLOCK, BLOCK, n)
+    first = blocks.to(torch.uint8).argmax(1)  # first kept position of each block
+    last = BLOCK - 1 - blocks.flip(1).to(torch.uint8).argmax(1)
+    positions = torch.stack([first, last], 1).view(k // 2, n)
+    base = torch.arange(0, k, BLOCK, device=t.device).repeat_interleave(2).view(-1, 1)
+    return t.gather(0, base + positions), positions.to(torch.uint8)
+
+
+def check_mask(mask, name: str = "mask", dim: int = 0) -> None:
+    """A 2:4 mask: bool, exactly two True in every aligned block of 4 along `dim`."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"{name} must be a 2-D bool tensor, got {formats._describe(mask)}")
+    if mask.shape[dim] % BLOCK:
+        raise ValueError(f"{name}.shape[{dim}] must be a multiple of {BLOCK}, got {list(mask.shape)}")
+    counts = mask.movedim(dim, -1).reshape(-1, BLOCK).sum(-1)
+    if (counts != 2).any():
+        i = int((counts != 2).nonzero()[0])
+        raise ValueError(f"{name} must keep exactly 2 of every 4 weights along K; block {i} keeps {int(counts[i])}")
 
 
 def mask_2to4(scores: torch.Tensor) -> torch.Tensor:
@@ -59,80 +92,64 @@ def is_2to4(weight: torch.Tensor) -> bool:
 
 def split_method(method: str, sparsity: Optional[str]) -> Tuple[Optional[str], str]:
     """quantize_model's `method` as (pruning method or None, quantizer). Without
-    sparsity it is the quantizer; with sparsity="2:4" a pruning method
-    ("magnitude", "wanda", "sparsegpt": the last two need calibration data,
-    torch_marlin.sparsegpt) or a quantizer name (magnitude pruning)."""
+    sparsity it is the quantizer (or "gptq"); with sparsity="2:4" a pruning method
+    ("magnitude", or a calibrated one: "wanda", "sparsegpt", torch_marlin.sparsegpt)
+    or a quantizer name (magnitude pruning)."""
     layout_for_sparsity(sparsity)  # validates the string
     if sparsity is None:
-        if method in CALIBRATED_PRUNING:
-            raise ValueError(f"method={method!r} prunes to 2:4: it needs sparsity='2:4'")
+        calibrated = calibrated_method(method)
+        if calibrated is not None and calibrated.sparsity is not None:
+            raise ValueError(f"method={method!r} prunes to {calibrated.sparsity}: it needs "
+                             f"sparsity={calibrated.sparsity!r}")
         if method not in dense_methods():
             raise ValueError(f"method must be one of {dense_methods()}, or with sparsity='2:4' one of "
                              f"{sparse_methods()}; got {method!r}")
         return None, method
     if method in quantizer_names():
         return "magnitude", method
-    if method not in PRUNING_METHODS:
-        raise ValueError(f"method must be one of {sparse_methods()} with sparsity={sparsity!r}, got {method!r}")
+    if method not in sparse_methods(sparsity):
+        raise ValueError(f"method must be one of {sparse_methods(sparsity)} with sparsity={sparsity!r}, "
+                         f"got {method!r}")
     return method, "mse"
 
 
 def dense_methods() -> Tuple[str, ...]:
     """The `method`s of quantize_model / MarlinLinear.from_linear without sparsity."""
-    return quantizer_names() + ("gptq",)
+    return quantizer_names() + calibrated_method_names(None)
 
 
-def sparse_methods() -> Tuple[str, ...]:
-    """The `method`s of quantize_model / MarlinLinear.from_linear with sparsity="2:4"."""
-    return PRUNING_METHODS + quantizer_names()
+def sparse_methods(sparsity: str = "2:4") -> Tuple[str, ...]:
+    """The `method`s of quantize_model / MarlinLinear.from_linear with sparsity="2:4": magnitude
+    pruning (named, or by the name of its quantizer) and the calibrated pruning methods."""
+    return ("magnitude",) + calibrated_method_names(sparsity) + quantizer_names()
 
 
-def quantize_sparse(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
-                    method: str = "mse", scores: Optional[torch.Tensor] = None,
-                    mask: Optional[torch.Tensor] = None) -> SparseQuantizedWeight:
-    """Prune an nn.Linear weight [N, K] to 2:4 and quantize the kept weights.
-
-    The kept pair of each block is `mask` [N, K] if given (exactly two True per
-    full block of 4 along K, at most two in a last partial one), else the two
-    largest `scores` [N, K] (default |weight|: magnitude pruning). A weight
-    that is already 2:4 keeps its nonzeros whatever the scores. `method` is
-    the quantizer of the kept weights (torch_marlin.quantize); "mse" and "absmax"
-    prune and quantize in C++ (torch.ops.marlin._quantize_weight_sparse24), with
-    the result of quantize_sparse_reference bit for bit."""
-    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=True)
-
-
-def quantize_sparse_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
-                              method: str = "mse", scores: Optional[torch.Tensor] = None,
-                              mask: Optional[torch.Tensor] = None) -> SparseQuantizedWeight:
-    """quantize_sparse in plain torch, through the registered Python quantizer: the
-    specification of its C++ path, and the path of every other quantizer."""
-    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=False)
-
-
-def _quantize_sparse(weight, weight_format: str, group_size: int, method: str, scores, mask,
-                     native: bool) -> SparseQuantizedWeight:
-    check_float_weight(weight, weight_format, group_size, method)
+def pruning_scores(weight: torch.Tensor, scores: Optional[torch.Tensor],
+                   mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The scores [N, K] that pick the kept pair of each block of weight [N, K]: from `mask`
+    (exactly two True per full block of 4 along K) if given, else `scores`; None for
+    magnitude (|w|), and for a weight that is already 2:4 (its nonzeros are kept)."""
     n, k = weight.shape
     for name, t in (("scores", scores), ("mask", mask)):
         if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (n, k)):
             raise ValueError(f"{name} must have the weight's shape {[n, k]}, got {formats._describe(t)}")
     if mask is not None:
-        scores = _mask_scores(mask)
-    elif scores is not None and is_2to4(weight):
+        return _mask_scores(mask)
+    if scores is not None and is_2to4(weight):
         # Keep the pattern it has: the two largest |w| of a block are its nonzeros (and
         # then zeros, lower index first), so magnitude pruning keeps exactly that.
-        scores = None
-    search = native_search(method) if native else None
-    if search is not None:
-        if scores is not None:
-            scores = scores.detach().to("cpu", torch.float32)
-        (values, metadata, sc, z), error = run_native(torch.ops.marlin._quantize_weight_sparse24, weight,
-                                                      weight_format, group_size, search, scores)
-        q = SparseQuantizedWeight(values, metadata, sc, z if formats.has_zeros(weight_format) else None,
-                                  weight_format, group_size, in_features=k, out_features=n)
-        q.relative_error = error
-        return q
+        return None
+    return scores
+
+
+def sparse_codes(weight: torch.Tensor, weight_format: str, group_size: int, method: str,
+                 scores: Optional[torch.Tensor] = None) -> QuantizedCodes:
+    """Prune weight [N, K] to the two largest `scores` (default |weight|) of every block of 4
+    along K and quantize the kept weights per group with the registered Python quantizer
+    `method` (scales fitted to them alone: group g of the dense K covers kept entries
+    [g * group_size / 2, (g + 1) * group_size / 2)); K padded as the 2:4 layout needs.
+    Arguments as pruning_scores returns them (check_float_weight first)."""
+    n, k = weight.shape
     kp = padded_in_features(k, group_size)
     kept_group = formats.effective_group_size(kp, group_size) // 2
     codes = torch.empty(n, kp // 2, dtype=torch.uint8)
@@ -164,10 +181,8 @@ def _quantize_sparse(weight, weight_format: str, group_size: int, method: str, s
             zeros[r0:r0 + rows] = z
         err2 += e + float((block[~keep] ** 2).sum())
         norm2 += float((block ** 2).sum())
-    q = SparseQuantizedWeight.from_kept(codes.t(), positions.t(), scales.t(), None if zeros is None else zeros.t(),
-                                        weight_format, group_size, in_features=k, out_features=n)
-    q.relative_error = (err2 / norm2) ** 0.5 if norm2 > 0 else 0.0
-    return q
+    return QuantizedCodes("sparse24", codes.t(), scales.t(), None if zeros is None else zeros.t(), weight_format,
+                          group_size, k, n, relative_error(err2, norm2), positions=positions.t())
 
 
 def _mask_scores(mask: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from hf_helpers import VOCAB, load_float, marlin_modules, read_config
 from torch_marlin.cli import main as cli_main
 from torch_marlin.hf import from_pretrained
 from torch_marlin.hf.calibrated import calibration_batches, convert_with_calibration, read_calibration_texts
-from torch_marlin.hf.modules import PermutedInputMarlinLinear
+from torch_marlin.linear import PermutedInputMarlinLinear
 from torch_marlin.testing import calibration, minilm
 
 TEXTS = [
@@ -240,7 +240,7 @@ def test_quantize_model_gptq_on_conv1d_equals_the_same_layers_as_nn_linear(tiny_
     result is the one for the same weights held by nn.Linear (weight [out, in])."""
     from torch import nn
 
-    from torch_marlin.linear import is_conv1d
+    from torch_marlin.float_linear import is_conv1d
 
     batches = [torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
     with_conv = load_float(tiny_model_dir("gpt2"))

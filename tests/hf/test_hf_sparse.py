@@ -16,7 +16,8 @@ from torch_marlin.cli import main as cli_main
 from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
 from torch_marlin.layouts import SparseQuantizedWeight
-from torch_marlin.sparsity import mask_2to4, quantize_sparse
+from torch_marlin.layouts.sparse24 import quantize_sparse
+from torch_marlin.sparsity import mask_2to4
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 40, 41, 7, 3, 11, 60]])
 

@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from .. import formats
-from ..calibration import CalibrationError
-from ..gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP
+from ..calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, CalibrationError
 from ..model import QuantizationReport, matches_any, quantize_model
-from ..sparsity import CALIBRATED_PRUNING, split_method
+from ..quantize import calibrated_method
+from ..sparsity import split_method
 from .config import build_quantization_config
 from .model_layers import layout_of_model
 from .converter import DTYPES, _copy_other_files, _replace_directory, _umask, check_finite, check_paths
@@ -174,7 +174,7 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact).
     method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md)."""
     start = time.time()
-    if method not in ("gptq",) + CALIBRATED_PRUNING:
+    if calibrated_method(method) is None:
         raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda', got {method!r}")
     split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if act_order and method != "gptq":

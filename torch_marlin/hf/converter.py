@@ -23,8 +23,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .. import formats
-from ..layouts import QuantizedExperts, layout_for_sparsity
-from ..quantize import QuantizedWeight, quantizer_names
+from ..layouts import QuantizedExperts, QuantizedWeight, layout_for_sparsity
+from ..quantize import quantizer_names
 from .checkpoint import PICKLE_INDEX, SAFETENSORS_INDEX, SourceCheckpoint
 from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization

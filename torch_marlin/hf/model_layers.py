@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Set
 import torch
 from torch import nn
 
-from ..linear import is_conv1d, is_float_linear
+from ..float_linear import is_conv1d, is_float_linear
 from .errors import CheckpointError, import_transformers
 
 # Weights that stay in float in the name-based fallback (embeddings, heads, norms).

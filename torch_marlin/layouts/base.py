@@ -13,16 +13,17 @@ it is given, so a new layout adds files instead of editing the module.
 
 from __future__ import annotations
 
-from typing import ClassVar, Dict, List, Optional, Tuple, Type
+from typing import ClassVar, Dict, List, Optional, Tuple
 
 import torch
 
 from .. import formats
+# The registry lives below the layouts (torch_marlin/layout_registry.py); a layout file
+# imports register_layout from here as before.
+from ..layout_registry import known_layout_codes, layout_by_code, layout_for_sparsity, layout_named, register_layout
 
-# LAYOUT_CODE -> class, and sparsity string ("2:4") -> class, filled by register_layout.
-_LAYOUTS: Dict[int, Type["QuantizedLayout"]] = {}
-_SPARSITIES: Dict[str, Type["QuantizedLayout"]] = {}
-
+__all__ = ["QuantizedLayout", "fake_gemm_output", "known_layout_codes", "layout_by_code", "layout_for_sparsity",
+           "layout_named", "register_layout"]
 
 def fake_gemm_output(x: torch.Tensor, weight: torch.Tensor, weight_name: str, k: int, n: int,
                      bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -34,36 +35,6 @@ def fake_gemm_output(x: torch.Tensor, weight: torch.Tensor, weight_name: str, k:
     if bias is not None:
         torch._check(tuple(bias.shape) == (n,), lambda: f"bias must have shape [{n}], got {list(bias.shape)}")
     return x.new_empty((*x.shape[:-1], n))
-
-
-def register_layout(cls: Type["QuantizedLayout"]) -> Type["QuantizedLayout"]:
-    """Class decorator: makes a layout known to MarlinLinear's state_dict guard
-    (and, if it sets SPARSITY, to `sparsity=` arguments)."""
-    if cls.LAYOUT_CODE in _LAYOUTS:
-        raise ValueError(f"layout code {cls.LAYOUT_CODE} is taken by {_LAYOUTS[cls.LAYOUT_CODE].__name__}")
-    if cls.SPARSITY is not None and cls.SPARSITY in _SPARSITIES:
-        raise ValueError(f"sparsity {cls.SPARSITY!r} is taken by {_SPARSITIES[cls.SPARSITY].__name__}")
-    _LAYOUTS[cls.LAYOUT_CODE] = cls
-    if cls.SPARSITY is not None:
-        _SPARSITIES[cls.SPARSITY] = cls
-    return cls
-
-
-def layout_for_sparsity(sparsity: Optional[str]) -> Optional[Type["QuantizedLayout"]]:
-    """The layout class of a `sparsity=` argument ("2:4"); None for None (dense)."""
-    if sparsity is None:
-        return None
-    if not isinstance(sparsity, str) or sparsity not in _SPARSITIES:
-        raise ValueError(f"sparsity must be None or one of {sorted(_SPARSITIES)}, got {sparsity!r}")
-    return _SPARSITIES[sparsity]
-
-
-def layout_by_code(code: int) -> Optional[Type["QuantizedLayout"]]:
-    return _LAYOUTS.get(code)
-
-
-def known_layout_codes() -> List[int]:
-    return sorted(_LAYOUTS)
 
 
 class QuantizedLayout:
@@ -97,6 +68,12 @@ class QuantizedLayout:
                    method: str = "mse") -> "QuantizedLayout":
         """Quantize a float nn.Linear weight [N, K] into this layout (`method`: a quantizer
         of torch_marlin.quantize); what MarlinLinear.from_linear calls."""
+        raise NotImplementedError
+
+    @classmethod
+    def pack(cls, codes) -> "QuantizedLayout":
+        """The layout holding a quantizer's result (torch_marlin.quantize.QuantizedCodes whose
+        `layout` is this LAYOUT), with its relative_error."""
         raise NotImplementedError
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 
 from .. import formats
 from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from ..quantize import QuantizedCodes, check_float_weight, native_search, quantize_codes, run_native
 from .base import QuantizedLayout, fake_gemm_output, register_layout
 
 
@@ -94,9 +95,14 @@ class QuantizedWeight(QuantizedLayout):
 
     @classmethod
     def from_float(cls, weight, weight_format, group_size, method="mse") -> "QuantizedWeight":
-        from ..quantize import quantize_weight
-
         return quantize_weight(weight, weight_format, group_size, method)
+
+    @classmethod
+    def pack(cls, codes: QuantizedCodes) -> "QuantizedWeight":
+        q = cls.from_codes(codes.codes, codes.scales, codes.zeros, codes.weight_format, codes.group_size,
+                           in_features=codes.in_features, out_features=codes.out_features)
+        q.relative_error = codes.relative_error
+        return q
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """The weight W as [N, in_features] (reference path, float64 inside)."""
@@ -115,6 +121,42 @@ class QuantizedWeight(QuantizedLayout):
             x = F.pad(x, (0, pad))
         return torch.ops.marlin.gemm(x, self.packed, self.scales, self.zeros, bias, self.weight_format,
                                      self.group_size)
+
+
+# --- quantizing a float weight into the layout ---------------------------------------
+
+def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                    method: str = "mse") -> QuantizedWeight:
+    """Quantize an nn.Linear weight [N, K]; K is zero-padded to what the layout needs.
+    "mse" and "absmax" run in C++ (torch.ops.marlin._quantize_weight, straight to the
+    packed layout), with the result of quantize_weight_reference bit for bit."""
+    check_float_weight(weight, weight_format, group_size, method)
+    search = native_search(method)
+    if search is None:
+        return quantize_weight_reference(weight, weight_format, group_size, method)
+    (packed, scales, zeros), error = run_native(torch.ops.marlin._quantize_weight, weight, weight_format,
+                                                group_size, search)
+    n, k = weight.shape
+    q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
+                        in_features=k, out_features=n)
+    q.relative_error = error
+    return q
+
+
+def quantize_weight_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                              method: str = "mse") -> QuantizedWeight:
+    """quantize_weight in plain torch, through the registered Python quantizer
+    (torch_marlin.quantize.quantize_codes): the specification of its C++ path."""
+    return QuantizedWeight.pack(quantize_codes(weight, weight_format, group_size, method))
+
+
+def pack_fp4_weights(weight: torch.Tensor, group_size: int = 128):
+    """Quantize a float nn.Linear weight [N, K] to fp4; returns (packed, scales).
+
+    An fp4-only shorthand; `quantize_weight` is the general form.
+    """
+    q = quantize_weight(weight, "fp4", group_size)
+    return q.packed, q.scales
 
 
 # --- fake kernels and autograd of the dense ops -------------------------------------

@@ -30,24 +30,17 @@ from torch.nn import functional as F
 
 from .. import formats
 from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from ..quantize import QuantizedCodes, check_float_weight, native_search, run_native
+from ..sparsity import BLOCK, METADATA_ROWS, check_mask, compress, padded_in_features, pruning_scores, sparse_codes
 from .base import QuantizedLayout, fake_gemm_output, register_layout
 
-BLOCK = 4  # weights per 2:4 block along K
 VALUE_ROWS = 16  # K rows per values word (8 kept codes)
-METADATA_ROWS = 32  # K rows per metadata word (8 block nibbles)
 # The 6 valid (pos0, pos1) patterns and their metadata nibbles pos0 | pos1 << 2.
 PATTERNS = ((0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
 VALID_NIBBLES = tuple(p0 | p1 << 2 for p0, p1 in PATTERNS)  # 4, 8, 12, 9, 13, 14
 FILL_METADATA = 0x44444444  # every block (0, 1): the metadata of an all-zero weight
 # Nibble j of a values word holds kept code VALUE_ORDER[j] of its 8 in K order (2 * block + i).
 VALUE_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def padded_in_features(in_features: int, group_size: int) -> int:
-    """Smallest K >= in_features that the 2:4 layout accepts: whole metadata words and groups."""
-    formats.check_group_size(group_size)
-    multiple = METADATA_ROWS if group_size == -1 else max(METADATA_ROWS, group_size)
-    return -(-in_features // multiple) * multiple
 
 
 # --- packing (the reference; tests/reference.py has per-element versions) -------------
@@ -103,32 +96,6 @@ def pack_sparse(codes: torch.Tensor, mask: torch.Tensor) -> Tuple[torch.Tensor, 
     block of 4 along K) into (values, metadata); pruned codes are ignored."""
     kept, positions = compress(codes, mask)
     return pack_kept(kept, positions)
-
-
-def compress(t: torch.Tensor, mask: torch.Tensor, name: str = "codes") -> Tuple[torch.Tensor, torch.Tensor]:
-    """The kept entries of t [K, N] under a 2:4 mask [K, N] along K, as ([K/2, N], positions [K/2, N])."""
-    check_mask(mask, "mask", dim=0)
-    if not isinstance(t, torch.Tensor) or t.shape != mask.shape:
-        raise ValueError(f"{name} must have the mask's shape {list(mask.shape)}, got {formats._describe(t)}")
-    k, n = t.shape
-    blocks = mask.view(k // BLOCK, BLOCK, n)
-    first = blocks.to(torch.uint8).argmax(1)  # first kept position of each block
-    last = BLOCK - 1 - blocks.flip(1).to(torch.uint8).argmax(1)
-    positions = torch.stack([first, last], 1).view(k // 2, n)
-    base = torch.arange(0, k, BLOCK, device=t.device).repeat_interleave(2).view(-1, 1)
-    return t.gather(0, base + positions), positions.to(torch.uint8)
-
-
-def check_mask(mask, name: str = "mask", dim: int = 0) -> None:
-    """A 2:4 mask: bool, exactly two True in every aligned block of 4 along `dim`."""
-    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.dtype != torch.bool:
-        raise ValueError(f"{name} must be a 2-D bool tensor, got {formats._describe(mask)}")
-    if mask.shape[dim] % BLOCK:
-        raise ValueError(f"{name}.shape[{dim}] must be a multiple of {BLOCK}, got {list(mask.shape)}")
-    counts = mask.movedim(dim, -1).reshape(-1, BLOCK).sum(-1)
-    if (counts != 2).any():
-        i = int((counts != 2).nonzero()[0])
-        raise ValueError(f"{name} must keep exactly 2 of every 4 weights along K; block {i} keeps {int(counts[i])}")
 
 
 def unpack_kept(values: torch.Tensor, metadata: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -267,12 +234,17 @@ class SparseQuantizedWeight(QuantizedLayout):
         return cls(values, metadata, scales, zeros, weight_format, group_size, in_features, out_features)
 
     @classmethod
-    def from_float(cls, weight, weight_format, group_size, method="mse") -> "SparseQuantizedWeight":
-        """Magnitude 2:4 pruning (a weight that is already 2:4 keeps its pattern), then the
-        kept weights quantized with `method` (torch_marlin.sparsity)."""
-        from ..sparsity import quantize_sparse
+    def from_float(cls, weight, weight_format, group_size, method="mse", scores=None) -> "SparseQuantizedWeight":
+        """2:4 pruning by `scores` (default magnitude; a weight that is already 2:4 keeps its
+        pattern), then the kept weights quantized with `method` (quantize_sparse)."""
+        return quantize_sparse(weight, weight_format, group_size, method=method, scores=scores)
 
-        return quantize_sparse(weight, weight_format, group_size, method=method)
+    @classmethod
+    def pack(cls, codes: QuantizedCodes) -> "SparseQuantizedWeight":
+        q = cls.from_kept(codes.codes, codes.positions, codes.scales, codes.zeros, codes.weight_format,
+                          codes.group_size, in_features=codes.in_features, out_features=codes.out_features)
+        q.relative_error = codes.relative_error
+        return q
 
     def check_contents(self) -> None:
         check_metadata(self.metadata)
@@ -297,6 +269,50 @@ class SparseQuantizedWeight(QuantizedLayout):
             x = F.pad(x, (0, pad))
         return torch.ops.marlin.sparse24_gemm(x, self.values, self.metadata, self.scales, self.zeros, bias,
                                               self.weight_format, self.group_size)
+
+
+# --- pruning and quantizing a float weight into the layout ----------------------------
+
+def quantize_sparse(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                    method: str = "mse", scores: Optional[torch.Tensor] = None,
+                    mask: Optional[torch.Tensor] = None) -> SparseQuantizedWeight:
+    """Prune an nn.Linear weight [N, K] to 2:4 and quantize the kept weights.
+
+    The kept pair of each block is `mask` [N, K] if given (exactly two True per
+    full block of 4 along K, at most two in a last partial one), else the two
+    largest `scores` [N, K] (default |weight|: magnitude pruning). A weight
+    that is already 2:4 keeps its nonzeros whatever the scores. `method` is
+    the quantizer of the kept weights (torch_marlin.quantize); "mse" and "absmax"
+    prune and quantize in C++ (torch.ops.marlin._quantize_weight_sparse24), with
+    the result of quantize_sparse_reference bit for bit."""
+    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=True)
+
+
+def quantize_sparse_reference(weight: torch.Tensor, weight_format: str = "fp4", group_size: int = 128,
+                              method: str = "mse", scores: Optional[torch.Tensor] = None,
+                              mask: Optional[torch.Tensor] = None) -> SparseQuantizedWeight:
+    """quantize_sparse in plain torch, through the registered Python quantizer
+    (torch_marlin.sparsity.sparse_codes): the specification of its C++ path, and the
+    path of every other quantizer."""
+    return _quantize_sparse(weight, weight_format, group_size, method, scores, mask, native=False)
+
+
+def _quantize_sparse(weight, weight_format: str, group_size: int, method: str, scores, mask,
+                     native: bool) -> SparseQuantizedWeight:
+    check_float_weight(weight, weight_format, group_size, method)
+    scores = pruning_scores(weight, scores, mask)
+    search = native_search(method) if native else None
+    if search is None:
+        return SparseQuantizedWeight.pack(sparse_codes(weight, weight_format, group_size, method, scores))
+    if scores is not None:
+        scores = scores.detach().to("cpu", torch.float32)
+    (values, metadata, sc, z), error = run_native(torch.ops.marlin._quantize_weight_sparse24, weight,
+                                                  weight_format, group_size, search, scores)
+    n, k = weight.shape
+    q = SparseQuantizedWeight(values, metadata, sc, z if formats.has_zeros(weight_format) else None,
+                              weight_format, group_size, in_features=k, out_features=n)
+    q.relative_error = error
+    return q
 
 
 # --- fake kernels and autograd of the 2:4 ops -----------------------------------------

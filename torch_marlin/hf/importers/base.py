@@ -9,8 +9,7 @@ from typing import ClassVar, Dict, List, Optional, Tuple, Type
 import torch
 
 from ... import formats
-from ...layouts import QuantizedLayout
-from ...quantize import QuantizedWeight
+from ...layouts import QuantizedLayout, QuantizedWeight
 from ..checkpoint import SourceCheckpoint
 from ..errors import CheckpointError, UnsupportedQuantization
 

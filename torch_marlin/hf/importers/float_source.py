@@ -7,7 +7,7 @@ from typing import Dict, List, Optional, Sequence, Set
 
 from ...moe import linear_stack, quantize_experts
 from ...layouts import QuantizedWeight, layout_for_sparsity
-from ...linear import linear_weight
+from ...float_linear import linear_weight
 from ...model import matches_any, unmatched_patterns
 from ...sparsity import is_2to4
 from ..model_layers import ModelLayout, expert_parts, float_linear_modules

@@ -24,8 +24,7 @@ from typing import Dict
 
 import torch
 
-from ...layouts import QuantizedExperts
-from ...quantize import QuantizedWeight
+from ...layouts import QuantizedExperts, QuantizedWeight
 from ..errors import CheckpointError, UnsupportedQuantization
 from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
 
