@@ -242,45 +242,10 @@ def _symmetric(groups: torch.Tensor, weight_format: str, search: bool):
 
 
 def _asymmetric(groups: torch.Tensor, weight_format: str, search: bool):
-    if formats.value_format(weight_format).bias:
-        return _affine(groups, weight_format, search)
-    # The range always contains 0, so the zero point stays within 0..15.
-    lo = groups.amin(-1).clamp(max=0)
-    hi = groups.amax(-1).clamp(min=0)
-    n = groups.shape[-1]
-    w_mean = _tree_sum(groups) / n
-    w_centered = groups - w_mean.unsqueeze(-1)
-    value_range = formats.value_format(weight_format).value_range
-    best = None
-    ratios, rounds = _search_space(search)
-    for ratio in ratios:
-        scale = _to_fp16_scale((hi - lo) * ratio / value_range)
-        zero = (-lo * ratio / scale.float()).to(torch.float16)
-        for round_ in range(rounds):
-            v = _values(groups, scale, zero, weight_format)  # q - zero
-            best = _keep_better(best, _squared_error(v, scale, groups), scale, zero)
-            if round_ + 1 == rounds:
-                break
-            # Least-squares fit w ~ a*q + b on these codes, then zero = -b/a.
-            q = v.add_(zero.float().unsqueeze(-1))
-            q_mean = _tree_sum(q) / n
-            q_centered = q.sub_(q_mean.unsqueeze(-1))
-            var = _dot(q_centered, q_centered)
-            a = _dot(q_centered, w_centered) / var.clamp_min(1e-30)
-            ok = (var > 0) & (a > _FP16_TINY)
-            new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
-            b = w_mean - a * q_mean
-            new_zero = torch.where(ok, -b / new_scale.float(), zero.float()).clamp(-FP16_MAX, FP16_MAX)
-            scale, zero = new_scale, new_zero.to(torch.float16)
-    scale, zero = best[1], best[2]
-    codes = _round_codes(groups / scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1), weight_format)
-    return codes, scale, zero
-
-
-def _affine(groups: torch.Tensor, weight_format: str, search: bool):
-    """_asymmetric for a bias, w = q * scale + bias: the clipped range [lo, hi] * ratio
-    (containing 0 like uint4's) onto 0..15, bias = lo * ratio; each refit is the
-    least-squares line w ~ a q + b on the codes, scale = a, bias = b."""
+    """Formats with a second fp16 parameter per group: a zero point (uint4, w = (q - zero) * scale)
+    or a bias (affine, w = q * scale + bias). The clipped range [lo, hi] * ratio (containing 0,
+    so a zero point stays within the codes) maps onto the codes' range; each refit is the
+    least-squares line w ~ a q + b on the codes: scale = a, zero = -b / a or bias = b."""
     fmt = formats.value_format(weight_format)
     lo = groups.amin(-1).clamp(max=0)
     hi = groups.amax(-1).clamp(min=0)
@@ -291,24 +256,30 @@ def _affine(groups: torch.Tensor, weight_format: str, search: bool):
     ratios, rounds = _search_space(search)
     for ratio in ratios:
         scale = _to_fp16_scale((hi - lo) * ratio / fmt.value_range)
-        bias = (lo * ratio).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+        zero = ((lo * ratio).clamp(-FP16_MAX, FP16_MAX) if fmt.bias else -lo * ratio / scale.float()).to(torch.float16)
         for round_ in range(rounds):
-            s, b = scale.float().unsqueeze(-1), bias.float().unsqueeze(-1)
-            q = fmt.nearest_values(fmt.code_inputs(groups, s, b))
-            diff = fmt.weights(q, s, b) - groups
-            best = _keep_better(best, _dot(diff, diff), scale, bias)
+            s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+            q = fmt.nearest_values(fmt.code_inputs(groups, s, z))
+            diff = fmt.weights(q, s, z) - groups
+            best = _keep_better(best, _dot(diff, diff), scale, zero)
             if round_ + 1 == rounds:
                 break
+            if not fmt.bias:
+                # A zero point's codes as the C++ quantizer has them: q - zero, then + zero again
+                # (float rounding; bit for bit, tests/test_quantize_native.py).
+                q = (q - z).add_(z)
             q_mean = _tree_sum(q) / n
             q_centered = q.sub_(q_mean.unsqueeze(-1))
             var = _dot(q_centered, q_centered)
             a = _dot(q_centered, w_centered) / var.clamp_min(1e-30)
             ok = (var > 0) & (a > _FP16_TINY)
-            new_bias = torch.where(ok, w_mean - a * q_mean, bias.float()).clamp(-FP16_MAX, FP16_MAX)
-            scale, bias = _to_fp16_scale(torch.where(ok, a, scale.float())), new_bias.to(torch.float16)
-    scale, bias = best[1], best[2]
-    codes = _round_codes(fmt.code_inputs(groups, scale.float().unsqueeze(-1), bias.float().unsqueeze(-1)), weight_format)
-    return codes, scale, bias
+            new_scale = _to_fp16_scale(torch.where(ok, a, scale.float()))
+            b = w_mean - a * q_mean
+            new_zero = torch.where(ok, b if fmt.bias else -b / new_scale.float(), zero.float())
+            scale, zero = new_scale, new_zero.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    scale, zero = best[1], best[2]
+    x = fmt.code_inputs(groups, scale.float().unsqueeze(-1), zero.float().unsqueeze(-1))
+    return _round_codes(x, weight_format), scale, zero
 
 
 def _rtn(search: bool) -> Quantizer:
