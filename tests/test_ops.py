@@ -142,6 +142,27 @@ def test_gemm_bad_input(over, message):
         torch.ops.marlin.gemm(a["x"], a["packed"], a["scales"], a["zeros"], a["bias"], a["weight_format"], a["group_size"])
 
 
+@pytest.mark.parametrize("over", [
+    dict(weight_format="nf3"), dict(group_size=48), dict(group_size=128),
+    dict(packed=torch.zeros(8, 8, dtype=torch.int64)), dict(scales=torch.ones(2, 8)),
+    dict(scales=torch.ones(4, 8).half()), dict(zeros=None), dict(zeros=torch.ones(2, 7).half()),
+    dict(weight_format="fp4"),
+])
+def test_fake_kernel_names_the_argument_the_op_names(over):
+    """C++ does not run while tracing (fake tensors) or on the meta device: there the fake
+    kernel's checks (formats.check_quantized) must refuse what the op refuses, naming the
+    same argument."""
+    a = _args(**over)
+    names = []
+    for device in ("cpu", "meta"):
+        args = [t.to(device) if isinstance(t, torch.Tensor) else t for t in
+                (a["x"], a["packed"], a["scales"], a["zeros"], a["bias"], a["weight_format"], a["group_size"])]
+        with pytest.raises((RuntimeError, ValueError, TypeError)) as error:
+            torch.ops.marlin.gemm(*args)
+        names.append(str(error.value).split()[0])
+    assert names[0] == names[1], names
+
+
 def test_dequantize_bad_dtype():
     a = _args()
     with pytest.raises(RuntimeError, match="dtype must be float16, bfloat16 or float32"):

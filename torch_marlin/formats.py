@@ -202,7 +202,7 @@ def num_groups(k: int, group_size: int) -> int:
     if group_size == -1:
         return 1
     if k % group_size:
-        raise ValueError(f"K={k} must be a multiple of group_size={group_size}")
+        raise ValueError(f"K = {k} must be a multiple of group_size = {group_size}")  # the C++ check's words
     return k // group_size
 
 

@@ -31,7 +31,8 @@ import torch
 
 from . import formats
 from .calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, output_error
-from .gptq import _block_columns, _codes_of, _inverse_cholesky, _quantize_column, _weighted_search, check_hessian, check_options
+from .gptq import (_block_columns, _codes_of, _inverse_cholesky, _quantize_column, _weighted_search, check_hessian,
+                   check_options)
 from .layout_registry import layout_for_sparsity
 from .quantize import CalibratedMethod, QuantizedCodes, register_calibrated_method
 from .sparsity import compress, is_2to4, mask_2to4, padded_in_features

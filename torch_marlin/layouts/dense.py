@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import formats
-from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from .. import ops
 from ..quantize import QuantizedCodes, check_float_weight, native_search, quantize_codes, run_native
 from .base import QuantizedLayout, fake_gemm_output, register_layout
 
@@ -111,16 +111,14 @@ class QuantizedWeight(QuantizedLayout):
         return b[: self.in_features].t()
 
     def weight(self, dtype=torch.float32) -> torch.Tensor:
-        b = torch.ops.marlin.dequantize(self.packed, self.scales, self.zeros, self.weight_format,
-                                        self.group_size, torch.float32)
+        b = ops.dequantize(self.packed, self.scales, self.zeros, self.weight_format, self.group_size, torch.float32)
         return b[: self.in_features].t().to(dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         pad = self.padded_in_features - self.in_features
         if pad:
             x = F.pad(x, (0, pad))
-        return torch.ops.marlin.gemm(x, self.packed, self.scales, self.zeros, bias, self.weight_format,
-                                     self.group_size)
+        return ops.gemm(x, self.packed, self.scales, self.zeros, bias, self.weight_format, self.group_size)
 
 
 # --- quantizing a float weight into the layout ---------------------------------------
@@ -134,8 +132,7 @@ def quantize_weight(weight: torch.Tensor, weight_format: str = "fp4", group_size
     search = native_search(method)
     if search is None:
         return quantize_weight_reference(weight, weight_format, group_size, method)
-    (packed, scales, zeros), error = run_native(torch.ops.marlin._quantize_weight, weight, weight_format,
-                                                group_size, search)
+    (packed, scales, zeros), error = run_native(ops._quantize_weight, weight, weight_format, group_size, search)
     n, k = weight.shape
     q = QuantizedWeight(packed, scales, zeros if formats.has_zeros(weight_format) else None, weight_format, group_size,
                         in_features=k, out_features=n)
@@ -185,7 +182,7 @@ def _gemm_backward(ctx, grad):
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
         # dy @ B^T with B = W^T dequantized in the activation dtype.
-        b = torch.ops.marlin.dequantize(packed, scales, zeros, ctx.weight_format, ctx.group_size, ctx.x_dtype)
+        b = ops.dequantize(packed, scales, zeros, ctx.weight_format, ctx.group_size, ctx.x_dtype)
         grad_x = grad @ b.t()
     if ctx.has_bias and ctx.needs_input_grad[4]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)

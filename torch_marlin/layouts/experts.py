@@ -21,7 +21,7 @@ import torch
 from torch.nn import functional as F
 
 from .. import formats
-from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from .. import ops
 from .base import QuantizedLayout, register_layout
 from .dense import QuantizedWeight
 
@@ -151,8 +151,8 @@ class QuantizedExperts(QuantizedLayout):
         pad = self.padded_in_features - self.in_features
         if pad:
             x = F.pad(x, (0, pad))
-        return torch.ops.marlin.moe_gemm(x, expert_ids, topk_weights, self.packed, self.scales, self.zeros, bias,
-                                         self.weight_format, self.group_size)
+        return ops.moe_gemm(x, expert_ids, topk_weights, self.packed, self.scales, self.zeros, bias,
+                            self.weight_format, self.group_size)
 
     def descriptor_extra(self) -> List[int]:
         return [self.num_experts]
@@ -208,8 +208,8 @@ def _moe_gemm_grad_x(grad, expert_ids, packed, scales, zeros, weight_format, gro
     ids = expert_ids.reshape(-1).long()
     for e in torch.unique(ids).tolist():
         rows = (ids == e).nonzero().squeeze(1)
-        b = torch.ops.marlin.dequantize(packed[e], scales[e], None if zeros is None else zeros[e], weight_format,
-                                        group_size, grad.dtype)  # [K, N]
+        b = ops.dequantize(packed[e], scales[e], None if zeros is None else zeros[e], weight_format,
+                           group_size, grad.dtype)  # [K, N]
         out.index_copy_(0, rows, flat.index_select(0, rows) @ b.t())
     return out.view(tokens, top_k, -1)
 
@@ -238,12 +238,10 @@ def _moe_backward(ctx, grad):
     grad_pairs = grad32.unsqueeze(1) * topk_weights.float().unsqueeze(-1) if weighted else grad32  # [T, top_k, N]
     grad_x = grad_w = grad_bias = None
     if ctx.needs_input_grad[0]:
-        gx = torch.ops.marlin._moe_gemm_grad_x(grad_pairs, expert_ids, packed, scales, zeros, ctx.weight_format,
-                                               ctx.group_size)
+        gx = ops._moe_gemm_grad_x(grad_pairs, expert_ids, packed, scales, zeros, ctx.weight_format, ctx.group_size)
         grad_x = (gx.sum(1) if x.dim() == 2 else gx).to(x.dtype)
     if weighted and ctx.needs_input_grad[2]:
-        y = torch.ops.marlin.moe_gemm(x, expert_ids, None, packed, scales, zeros, bias, ctx.weight_format,
-                                      ctx.group_size)
+        y = ops.moe_gemm(x, expert_ids, None, packed, scales, zeros, bias, ctx.weight_format, ctx.group_size)
         grad_w = (grad32.unsqueeze(1) * y.float()).sum(-1).to(topk_weights.dtype)
     if bias is not None and ctx.needs_input_grad[6]:
         flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])

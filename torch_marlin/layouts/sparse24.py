@@ -29,9 +29,9 @@ import torch
 from torch.nn import functional as F
 
 from .. import formats
-from .. import ops  # noqa: F401  (loads torch.ops.marlin)
+from .. import ops
 from ..quantize import QuantizedCodes, check_float_weight, native_search, run_native
-from ..sparsity import BLOCK, METADATA_ROWS, check_mask, compress, padded_in_features, pruning_scores, sparse_codes
+from ..sparsity import BLOCK, METADATA_ROWS, compress, padded_in_features, pruning_scores, sparse_codes
 from .base import QuantizedLayout, fake_gemm_output, register_layout
 
 VALUE_ROWS = 16  # K rows per values word (8 kept codes)
@@ -259,16 +259,16 @@ class SparseQuantizedWeight(QuantizedLayout):
         return dense_mask(self.metadata)[: self.in_features].t()
 
     def weight(self, dtype=torch.float32) -> torch.Tensor:
-        b = torch.ops.marlin.sparse24_dequantize(self.values, self.metadata, self.scales, self.zeros,
-                                                 self.weight_format, self.group_size, torch.float32)
+        b = ops.sparse24_dequantize(self.values, self.metadata, self.scales, self.zeros,
+                                    self.weight_format, self.group_size, torch.float32)
         return b[: self.in_features].t().to(dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         pad = self.padded_in_features - self.in_features
         if pad:
             x = F.pad(x, (0, pad))
-        return torch.ops.marlin.sparse24_gemm(x, self.values, self.metadata, self.scales, self.zeros, bias,
-                                              self.weight_format, self.group_size)
+        return ops.sparse24_gemm(x, self.values, self.metadata, self.scales, self.zeros, bias,
+                                 self.weight_format, self.group_size)
 
 
 # --- pruning and quantizing a float weight into the layout ----------------------------
@@ -306,7 +306,7 @@ def _quantize_sparse(weight, weight_format: str, group_size: int, method: str, s
         return SparseQuantizedWeight.pack(sparse_codes(weight, weight_format, group_size, method, scores))
     if scores is not None:
         scores = scores.detach().to("cpu", torch.float32)
-    (values, metadata, sc, z), error = run_native(torch.ops.marlin._quantize_weight_sparse24, weight,
+    (values, metadata, sc, z), error = run_native(ops._quantize_weight_sparse24, weight,
                                                   weight_format, group_size, search, scores)
     n, k = weight.shape
     q = SparseQuantizedWeight(values, metadata, sc, z if formats.has_zeros(weight_format) else None,
@@ -340,8 +340,7 @@ def _gemm_backward(ctx, grad):
     values, metadata, scales, zeros = ctx.saved_tensors
     grad_x = grad_bias = None
     if ctx.needs_input_grad[0]:
-        b = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, ctx.weight_format,
-                                                 ctx.group_size, ctx.x_dtype)
+        b = ops.sparse24_dequantize(values, metadata, scales, zeros, ctx.weight_format, ctx.group_size, ctx.x_dtype)
         grad_x = grad @ b.t()
     if ctx.has_bias and ctx.needs_input_grad[5]:
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
