@@ -143,3 +143,21 @@ def test_example_prints_size_and_quality_not_speed():
     float_mib = rows.pop("float32")[0]
     for weight_format, (mib, mean_cos, min_cos) in rows.items():
         assert mib < float_mib / 6 and mean_cos > 0.95 and min_cos > 0.94, (weight_format, mib, mean_cos, min_cos)
+
+
+def test_architecture_package_map_names_every_module():
+    """Every module of torch_marlin is in docs/ARCHITECTURE.md's package map: a row of its own,
+    or named in its folder's row (a subfolder named there, e.g. `importers/`, covers its files)."""
+    rows = dict(re.findall(r"^\| `([^`]+)` \| (.*) \|$", _text("docs/ARCHITECTURE.md").split("## Package map")[1],
+                           re.M))
+    folders = sorted((f for f in rows if f.endswith("/")), key=len, reverse=True)
+    missing = []
+    for path in sorted((ROOT / "torch_marlin").rglob("*.py")):
+        name = path.relative_to(ROOT).as_posix()
+        if path.name in ("__init__.py", "__main__.py") or name in rows:
+            continue
+        folder = next((f for f in folders if name.startswith(f)), None)
+        rest = name[len(folder):] if folder else ""
+        if not (folder and (f"`{rest}`" in rows[folder] or f"`{rest.split('/')[0]}/`" in rows[folder])):
+            missing.append(name)
+    assert not missing, f"docs/ARCHITECTURE.md's package map does not name {missing}"
