@@ -56,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
                            "pattern); docs/SPARSITY.md")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
+    conv.add_argument("--requantize", action="store_true",
+                      help="MLX, GGUF and bitsandbytes sources: re-quantize the linear layers stored in a form "
+                           "with no exact torch_marlin format (MLX 8-bit, GGUF Q5/Q6/Q8/F16/IQ4_NL) with --format/"
+                           "--group-size/--quantizer (default: keep them in float, dequantized)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
                       help="maximum output shard size in MiB (default 2048)")
     conv.add_argument("--allow-pickle", action="store_true",
@@ -139,7 +143,7 @@ def _convert(args) -> int:
                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                           revision=args.revision, sparsity=args.sparsity)
+                           revision=args.revision, sparsity=args.sparsity, requantize=args.requantize)
     return _report(run)
 
 

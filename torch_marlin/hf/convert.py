@@ -30,6 +30,7 @@ from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization
 from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
+from .importers.reencode import ImportOptions
 from .layout import describe_model, expert_parts
 from .modules import layout_state
 from .safetensors_io import ShardedWriter
@@ -55,6 +56,7 @@ class ConversionSummary:
     already_sparse: List[str] = field(default_factory=list)  # sparsity: layers that were already 2:4
     sparsity: Optional[str] = None  # float sources: the layout asked for (expert stacks stay dense)
     notes: List[str] = field(default_factory=list)  # inexact values, dropped tensors
+    source_lines: List[str] = field(default_factory=list)  # per source: exact / within bound / kept float
     seconds: float = 0.0
     output: str = ""
 
@@ -73,6 +75,7 @@ class ConversionSummary:
             f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
             f"{self.bits_per_weight:.3f} bits per quantized weight" + self._padding(),
         ]
+        lines += self.source_lines
         if self.mean_relative_error is not None:
             lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
         if self.already_sparse:
@@ -100,7 +103,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
-            revision: Optional[str] = None, sparsity: Optional[str] = None) -> ConversionSummary:
+            revision: Optional[str] = None, sparsity: Optional[str] = None,
+            requantize: bool = False) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
@@ -112,6 +116,9 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
     a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
     stacks have no 2:4 layout and are quantized dense (the summary says so).
+    `requantize` applies to MLX, GGUF and bitsandbytes sources: their layers stored in a form
+    with no exact torch_marlin format (8-bit, Q6_K, ...) are re-quantized with
+    weight_format/group_size/quantizer instead of kept in float (docs/CONVERT.md).
     """
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
@@ -139,7 +146,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"sparsity={sparsity!r} applies to float sources; {src} is already quantized "
                          f"({method}) and is repacked as it is")
     else:
-        importer = make_importer(source, method, source_config)
+        importer = make_importer(source, method, source_config, layout=layout, options=ImportOptions(
+            requantize=requantize, weight_format=weight_format, group_size=group_size, quantizer=quantizer))
     if not layout.exact:
         importer.note("linear layers were found by name (the model class could not be built); check the list")
 
@@ -149,11 +157,12 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would carry over to DST
     writer = ShardedWriter(tmp, max_shard_bytes)
     try:
-        result, modules = _write_tensors(source, importer, layout, writer, DTYPES.get(dtype), progress)
+        result, modules = _write_tensors(importer.tensor_source(), importer, layout, writer, DTYPES.get(dtype), progress)
         writer.finish()
         _copy_other_files(src, tmp)
         config = dict(source.config)
-        config.pop("quantization_config", None)
+        for key in ("quantization_config", *importer.CONFIG_KEYS):
+            config.pop(key, None)
         config["quantization_config"] = build_quantization_config(importer, modules, result.layers_in_float)
         if dtype is not None:
             config["dtype"] = dtype
@@ -171,6 +180,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     result.bytes_before = source.total_bytes()
     result.bytes_after = writer.total_bytes
     result.notes = list(importer.notes)
+    result.source_lines = importer.summary_lines()
     result.seconds = time.time() - start
     result.output = dst
     return result
