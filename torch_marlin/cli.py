@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="maximum output shard size in MiB (default 2048)")
     conv.add_argument("--allow-pickle", action="store_true",
                       help="accept pytorch_model.bin weights (loaded with weights_only=True)")
+    conv.add_argument("--gguf-file", default=None, metavar="NAME",
+                      help="convert this GGUF file of the SRC directory or Hub repo (SRC may also be a .gguf file)")
     conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -143,7 +145,8 @@ def _convert(args) -> int:
                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                           revision=args.revision, sparsity=args.sparsity, requantize=args.requantize)
+                           revision=args.revision, sparsity=args.sparsity, requantize=args.requantize,
+                           gguf_file=args.gguf_file)
     return _report(run)
 
 

@@ -30,6 +30,7 @@ from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization
 from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
+from .importers.gguf import GGUFCheckpoint, gguf_path
 from .importers.reencode import ImportOptions
 from .layout import describe_model, expert_parts
 from .modules import layout_state
@@ -104,12 +105,13 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
             revision: Optional[str] = None, sparsity: Optional[str] = None,
-            requantize: bool = False) -> ConversionSummary:
+            requantize: bool = False, gguf_file: Optional[str] = None) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
     resolved with huggingface_hub: downloaded when online, taken from the
     Hub cache with HF_HUB_OFFLINE=1 (torch_marlin/hf/hub.py).
+    `src` may be a GGUF file (model.gguf), or a directory or Hub repo holding `gguf_file`.
     weight_format/group_size/quantizer/exclude/quantize_lm_head apply to float
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
@@ -133,11 +135,12 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
     start = time.time()
     src, dst = check_paths(src, dst, overwrite,
-                           resolve=lambda path: resolve_source(path, revision, allow_pickle, progress))
-    source = SourceCheckpoint(src, allow_pickle=allow_pickle)
+                           resolve=lambda path: resolve_source(path, revision, allow_pickle, progress, gguf_file))
+    gguf = gguf_path(src, gguf_file)
+    source = GGUFCheckpoint(gguf) if gguf else SourceCheckpoint(src, allow_pickle=allow_pickle)
     method, source_config = source_quantization(source)
     shapes = {key: source.shape(key) for key in source.keys()}
-    layout = describe_model(src, shapes)
+    layout = describe_model(source.directory, shapes)
     if method is None:
         importer: Importer = FloatSource(source, layout=layout, weight_format=weight_format,
                                          group_size=group_size, quantizer=quantizer, exclude=list(exclude),
@@ -159,7 +162,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     try:
         result, modules = _write_tensors(importer.tensor_source(), importer, layout, writer, DTYPES.get(dtype), progress)
         writer.finish()
-        _copy_other_files(src, tmp)
+        _copy_other_files(source.directory, tmp)
         config = dict(source.config)
         for key in ("quantization_config", *importer.CONFIG_KEYS):
             config.pop(key, None)
