@@ -82,8 +82,7 @@ class GGUFCheckpoint:
     def __init__(self, path: str) -> None:
         gguf = import_gguf()
         transformers = import_transformers("converting a GGUF file")
-        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
-                                                              get_gguf_hf_weights_map, load_gguf_checkpoint)
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
         from ..layout import build_meta_model
 
@@ -97,11 +96,10 @@ class GGUFCheckpoint:
         folder, name = os.path.split(os.path.abspath(path))
         with contextlib.redirect_stdout(io.StringIO()):
             try:
-                parsed = load_gguf_checkpoint(path, return_tensors=False)
                 config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name, local_files_only=True)
             except (ValueError, KeyError, NotImplementedError) as e:
                 raise UnsupportedQuantization(f"{path}: transformers cannot read this GGUF model ({e})") from e
-        architecture = parsed["config"].get("model_type") or config.model_type
+        parsed = {"config": config.to_dict(), "tensors": {}}  # what transformers' tensor processors read
         causal = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
         if causal is not None and not getattr(config, "architectures", None):
             config.architectures = [causal]
@@ -113,7 +111,7 @@ class GGUFCheckpoint:
         with open(os.path.join(self.directory, "config.json"), "w", encoding="utf-8") as f:
             json.dump(self.config, f, indent=2)
 
-        gguf_arch = self._field("general.architecture") or architecture
+        gguf_arch = self._field("general.architecture") or config.model_type
         processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=parsed["config"])
         mapping = get_gguf_hf_weights_map(build_meta_model(self.directory), processor)
         self._tensors: Dict[str, tuple] = {}  # model name -> (ReaderTensor, type name, row order or None)
@@ -145,8 +143,7 @@ class GGUFCheckpoint:
         (None for the identity), found by processing the row numbers instead of the weights."""
         shape = [int(s) for s in reversed(tensor.shape.tolist())]  # [N, K] or [N]
         rows = np.arange(shape[0], dtype=np.float64).reshape(shape[0], *([1] * (len(shape) - 1)))
-        result = processor.process(weights=rows, name=tensor.name, tensor_key_mapping=mapping,
-                                   parsed_parameters={"config": parsed["config"], "tensors": {}})
+        result = processor.process(weights=rows, name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=parsed)
         if result.name not in mapping:
             return None, None
         weights = result.weights
