@@ -48,6 +48,7 @@ _INSTALL = "pip install gguf"
 FOUR_BIT = {"Q4_0": (32, 18, "int4"), "Q4_1": (32, 20, "affine"), "MXFP4": (32, 17, "fp4"),
             "Q4_K": (256, 144, "affine")}
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DEQUANTIZE_ELEMENTS = 1 << 20
 
 
 def import_gguf():
@@ -193,16 +194,23 @@ class GGUFCheckpoint:
         return t if order is None else t[order].contiguous()
 
     def dequantize(self, key: str) -> torch.Tensor:
-        """float32 [N, K] (or [N]) exactly as gguf's dequantize gives it, rows in the model's order."""
+        """float32 [N, K] (or [N]) exactly as gguf's dequantize gives it, rows in the model's order.
+        Row blocks at a time: gguf's numpy temporaries stay a few MiB beside the result."""
         gguf = import_gguf()
         tensor, kind, order = self._tensors[key]
+        shape = self.shape(key)
+        data = np.asarray(tensor.data).reshape(shape[0], -1) if len(shape) == 2 else np.asarray(tensor.data)
+        out = torch.empty(shape, dtype=torch.float32)
+        rows = max(1, _DEQUANTIZE_ELEMENTS // max(1, shape[-1])) if len(shape) == 2 else shape[0]
         try:
-            values = gguf.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            for r0 in range(0, shape[0], rows):
+                values = gguf.dequantize(data[r0:r0 + rows], tensor.tensor_type)
+                out[r0:r0 + rows] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
+                    out[r0:r0 + rows].shape)
         except NotImplementedError as e:
             raise UnsupportedQuantization(f"{key} ({tensor.name}): the gguf package cannot dequantize {kind} ({e}); "
                                           f"torch_marlin cannot convert it") from e
-        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(self.shape(key))
-        return t if order is None else t[order].contiguous()
+        return out if order is None else out[order].contiguous()
 
 
 def _blocks(raw: torch.Tensor, kind: str, key: str, k: int) -> torch.Tensor:
@@ -253,7 +261,7 @@ class GGUFSource(ReencodingImporter):
             self.note(self.source.tokenizer_note)
         self.view = TensorView(self.source)
         self.plans: Dict[str, LayerPlan] = {}
-        hint = f"(--requantize re-quantizes it to --format {self.options.weight_format})"
+        kept: Dict[str, list] = {}  # ggml type -> linear layers kept in float
         for key in self.source.keys():
             kind = self.source.ggml_type(key)
             module = key[: -len(".weight")] if key.endswith(".weight") else None
@@ -267,11 +275,15 @@ class GGUFSource(ReencodingImporter):
                     self.tally.add("kept float", module, int(np.prod(self.source.shape(key))), bits, bits)
             else:
                 if linear:
-                    why = ("its 16 values (-127 .. 113) are no torch_marlin format's table" if kind == "IQ4_NL"
-                           else "no 4-bit torch_marlin format holds it")
-                    self.note(f"{module}: GGUF {kind}: {why}; kept in float {hint}")
+                    kept.setdefault(kind, []).append(module)
                 self.keep_float(module or key, [key], key, torch.float32, self.source.shape(key),
                                 lambda k=key: self.source.dequantize(k), bits)
+        for kind, modules in kept.items():
+            why = ("its 16 values (-127 .. 113) are no torch_marlin format's table" if kind == "IQ4_NL"
+                   else "no 4-bit torch_marlin format holds it")
+            self.note(f"{len(modules)} linear layers stored as GGUF {kind} kept in float ({why}; --requantize "
+                      f"re-quantizes them with --format/--group-size): {', '.join(modules[:4])}"
+                      + (" ..." if len(modules) > 4 else ""))
 
     def _bits(self, key: str) -> float:
         return 8 * self.source.nbytes(key) / max(1, int(np.prod(self.source.shape(key))))

@@ -83,7 +83,7 @@ class MLXSource(ReencodingImporter):
         self.view = TensorView(self.source)
         self.plans: Dict[str, LayerPlan] = {}
         self.params: Dict[str, dict] = {}
-        self.model_dtype = None
+        kept = []  # linear layers kept in float, with why
         for key in self.source.keys():
             if not key.endswith(".scales"):
                 continue
@@ -102,11 +102,14 @@ class MLXSource(ReencodingImporter):
                               f"g{self.options.group_size}")
             else:
                 if self.is_linear(module):
-                    self.note(f"{module}: {reason}; kept in float (requantize=True / --requantize "
-                              f"re-quantizes it to --format/--group-size)")
+                    kept.append(f"{module} ({reason})")
                 n, k = self._shape(module, params)
                 self.keep_float(module, keys, f"{module}.weight", self._float_dtype(module), (n, k),
                                 lambda m=module: self.dequantize(m), self._bits_before(module, params))
+
+        if kept:
+            self.note(f"{len(kept)} linear layers kept in float (--requantize re-quantizes them with "
+                      f"--format/--group-size): {'; '.join(kept[:4])}" + (" ..." if len(kept) > 4 else ""))
 
     # --- config ----------------------------------------------------------------------
 
