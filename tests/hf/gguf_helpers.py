@@ -11,7 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-gguf = __import__("pytest").importorskip("gguf", reason="the gguf package is the reference for GGUF imports")
+from reference_libs import require
+
+gguf = require("gguf", "pip install gguf")
 T = gguf.GGMLQuantizationType
 
 

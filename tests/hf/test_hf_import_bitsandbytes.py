@@ -17,7 +17,9 @@ from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
 from torch_marlin.hf.errors import UnsupportedQuantization
 
-bnb_functional = pytest.importorskip("bitsandbytes.functional", reason="bitsandbytes is the reference for its imports")
+from reference_libs import require
+
+bnb_functional = require("bitsandbytes.functional", "pip install bitsandbytes")
 
 
 def make_bnb_checkpoint(path, arch="llama", quant_type="nf4", double_quant=True, dtype=torch.float16):

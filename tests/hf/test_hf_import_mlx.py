@@ -22,7 +22,9 @@ from torch_marlin.convert import convert
 from torch_marlin.hf import from_pretrained
 from torch_marlin.hf.errors import CheckpointError
 
-mx = pytest.importorskip("mlx.core", reason="MLX (pip install 'mlx[cpu]') is the reference for MLX imports")
+from reference_libs import require
+
+mx = require("mlx.core", "pip install 'mlx[cpu]'")
 
 MX_DTYPES = {torch.bfloat16: mx.bfloat16, torch.float16: mx.float16, torch.float32: mx.float32}
 
