@@ -189,14 +189,14 @@ def test_imported_mlx_checkpoint_loads_silently(tmp_path, capfd, loader):
         load(dst)
 
 
-def test_bf16_scales_outside_fp16_fall_back_to_float(tmp_path):
+def test_bf16_scales_beyond_fp16_fall_back_to_float(tmp_path):
     src, refs, _ = make_mlx_checkpoint(tmp_path, "llama", torch.bfloat16)
     from safetensors.torch import load_file, save_file
 
     path = os.path.join(src, "model.safetensors")
     state = load_file(path)
     name = "model.layers.0.self_attn.o_proj"
-    state[f"{name}.biases"] = state[f"{name}.biases"] * 2.0 ** -20  # below fp16's normal range
+    state[f"{name}.scales"] = state[f"{name}.scales"] * 2.0 ** 30  # beyond fp16's range (bf16's is fp32's)
     save_file(state, path, metadata={"format": "mlx"})
     with pytest.warns(UserWarning, match="kept in float.*o_proj"):
         summary = convert(src, str(tmp_path / "out"), progress=False)
@@ -213,3 +213,35 @@ def test_inconsistent_mlx_tensors_are_an_error_naming_the_tensor(tmp_path):
     with pytest.raises(CheckpointError, match=r"lm_head: weight \[96, 8\] and scales \[96, 1\] do not fit 8-bit affine"):
         convert(src, str(tmp_path / "out"), progress=False)
     assert not [e for e in os.listdir(tmp_path) if e.startswith(".out")]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_mlx_lm_convert_output_imports(tmp_path, dtype):
+    """A checkpoint written by mlx-lm's own convert (quantize=True): bf16 scales import exactly,
+    float32 ones within 2^-11 (15 |scale| + |bias|) per weight."""
+    convert_mlx = require("mlx_lm", "pip install mlx-lm").convert
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = str(tmp_path / "hf")
+    build_tiny_model("llama-tied").save_pretrained(hf)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, 96)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>").save_pretrained(hf)
+    src = str(tmp_path / "mlx")
+    convert_mlx(hf, mlx_path=src, quantize=True, q_group_size=32, q_bits=4, dtype=dtype)
+    dst = str(tmp_path / "out")
+    summary = convert(src, dst, progress=False)
+    layers = marlin_modules(from_pretrained(dst))
+    assert len(layers) == 14 and ("within bound" in str(summary)) == (dtype == "float32")
+    arrays = mx.load(os.path.join(src, "model.safetensors"))  # MLX's own reader
+    for name, layer in layers.items():
+        wq, scales, biases = (arrays[f"{name}.{t}"] for t in ("weight", "scales", "biases"))
+        want = to_torch(mx.dequantize(wq, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32,
+                                      bits=4, dtype=mx.float32))
+        got = layer.dequantize(torch.float32)
+        if dtype == "bfloat16":
+            assert torch.equal(got, want), name
+        else:
+            s, b = (to_torch(a).repeat_interleave(32, 1).abs() for a in (scales, biases))
+            assert ((got - want).abs() <= 2.0 ** -11 * (15 * s + b) + 2.0 ** -24).all(), name

@@ -6,8 +6,10 @@
 `p.scales` [N, K / group] and, for mode "affine", `p.biases` [N, K / group]:
 - affine: w = scales * q + biases, scales and biases in the model dtype (bf16/fp16/fp32).
   4-bit: the word layout is torch_marlin's own (nibble j of word [n, c] is row 8c + j of
-  B = W^T), so `packed` is the transposed words and the layer is `affine` exactly when
-  scales and biases are fp16 values (bf16 in fp16's normal range always is).
+  B = W^T), so `packed` is the transposed words and the layer is `affine`: exactly when
+  scales and biases are fp16 values (bf16 in fp16's normal range always is), else (fp32
+  scales) each rounded once to fp16: |dw| <= 2^-11 (15 |scale| + |bias|) (2^-25 absolute
+  per rounding below fp16's normal range); beyond fp16's range the layer is kept in float.
 - mxfp4: E2M1 codes, `scales` uint8 E8M0 per 32: scale 2^(e - 127) -> fp4 g32.
 - nvfp4: E2M1 codes, `scales` uint8 E4M3 per 16, optional `p.global_scale` (fp32, the
   tensor's absmax: the scale is e4m3 * global_scale / (448 * 6)) -> fp4 g16.
@@ -84,6 +86,7 @@ class MLXSource(ReencodingImporter):
         self.plans: Dict[str, LayerPlan] = {}
         self.params: Dict[str, dict] = {}
         kept = []  # linear layers kept in float, with why
+        self.rounded = set()  # affine layers whose fp32 scales or biases fp16 rounds (within the bound)
         for key in self.source.keys():
             if not key.endswith(".scales"):
                 continue
@@ -157,9 +160,12 @@ class MLXSource(ReencodingImporter):
                     raise CheckpointError(f"{module}: MLX affine quantization needs {key}")
                 if self.source.dtype(key) not in _FLOAT_DTYPES:
                     raise CheckpointError(f"{key}: expected a float tensor, got {self.source.dtype(key)}")
-                if self.source.dtype(key) != torch.float16 and not _fp16_exact(self.source.load(key)):
-                    return (f"{name} in {self.source.dtype(key)} are not all fp16 values (outside fp16's normal "
-                            f"range, or more than 11 significant bits)")
+                if self.source.dtype(key) != torch.float16:
+                    t = self.source.load(key)
+                    if not torch.isfinite(t).all() or t.abs().max() > formats.FP16_MAX:
+                        return f"{name} in {self.source.dtype(key)} exceed the fp16 range (max {formats.FP16_MAX})"
+                    if not torch.equal(t.to(torch.float16).to(t.dtype), t):
+                        self.rounded.add(module)
         elif self.source.dtype(f"{module}.scales") != torch.uint8:
             raise CheckpointError(f"{module}.scales: MLX {params['mode']} scales are uint8, got "
                                   f"{self.source.dtype(f'{module}.scales')}")
@@ -196,14 +202,14 @@ class MLXSource(ReencodingImporter):
             q = QuantizedWeight(packed, self._fp4_scales(module, params, n, k).t().contiguous(), None, "fp4",
                                 group, k, n)
         formats.check_quantized(q.packed, q.scales, q.zeros, q.weight_format, q.group_size)
-        exact = not any(note.startswith(f"{module}:") for note in self.notes)
+        exact = module not in self.rounded and not any(note.startswith(f"{module}:") for note in self.notes)
         return self.imported(module, q, bits_before, exact)
 
     def _fp16(self, key: str, shape) -> torch.Tensor:
-        t = self.require(key, _FLOAT_DTYPES, shape)
-        half = t.to(torch.float16)
-        if not torch.equal(half.to(t.dtype), t):  # checked in _inexact_reason; the file may have changed
-            raise CheckpointError(f"{key}: not exactly representable in fp16")
+        """Scales or biases rounded once to fp16 (exact for fp16 values: bf16 in fp16's normal range)."""
+        half = self.require(key, _FLOAT_DTYPES, shape).to(torch.float16)
+        if not torch.isfinite(half).all():  # checked in _inexact_reason; the file may have changed
+            raise CheckpointError(f"{key}: values exceed the fp16 range")
         return half
 
     def _fp4_scales(self, module: str, params: dict, n: int, k: int) -> torch.Tensor:
@@ -246,8 +252,4 @@ class MLXSource(ReencodingImporter):
     def description(self) -> dict:
         return {"method": "mlx", **self.default}
 
-
-def _fp16_exact(t: torch.Tensor) -> bool:
-    half = t.to(torch.float16)
-    return bool(torch.isfinite(half).all()) and torch.equal(half.to(t.dtype), t)
 
