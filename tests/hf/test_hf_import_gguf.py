@@ -183,3 +183,31 @@ def test_iq4_nl_table_is_none_of_our_formats():
         ours = fmt.values.double().sort().values
         for scale in (iq4[0] / ours[0], iq4[-1] / ours[-1]):
             assert not torch.allclose(ours * scale, iq4, rtol=0, atol=1e-3), name
+
+
+def test_hub_repo_with_gguf_file(tmp_path, monkeypatch):
+    """A Hub repo of GGUF files (several quantizations side by side): --gguf-file picks one, read
+    from the Hub cache offline, and online only that file (and no safetensors) is asked for."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    repo, commit = "tiny-org/tiny-llama-GGUF", "c" * 40
+    storage = tmp_path / "hub-cache" / ("models--" + repo.replace("/", "--"))
+    snapshot = storage / "snapshots" / commit
+    os.makedirs(snapshot)
+    write_gguf(str(snapshot / "tiny-Q4_0.gguf"), build_tiny_model("llama"), lambda name, w: T.Q4_0)
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    summary = convert(repo, str(tmp_path / "offline"), gguf_file="tiny-Q4_0.gguf", progress=False)
+    assert summary.layers_converted == 15
+    with pytest.raises(CheckpointError, match="no file 'tiny-Q8_0.gguf'"):
+        convert(repo, str(tmp_path / "missing"), gguf_file="tiny-Q8_0.gguf", progress=False)
+
+    calls = []
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kwargs: calls.append(kwargs) or str(snapshot))
+    convert(repo, str(tmp_path / "online"), gguf_file="tiny-Q4_0.gguf", progress=False)
+    (call,) = calls
+    assert "tiny-Q4_0.gguf" in call["allow_patterns"] and "*.safetensors" not in call["allow_patterns"]
