@@ -78,8 +78,9 @@ def write_file(path: str, layers: int) -> None:
     writer.add_tensor("token_embd.weight", blocks(T.Q6_K, VOCAB, HIDDEN), raw_dtype=T.Q6_K)
     for i in range(layers):
         six = T.Q6_K if i % 2 == 0 else T.Q4_K  # Q4_K_M: half the layers' v and down in Q6_K
-        for name, rows, k, qtype in (("attn_q", HIDDEN, HIDDEN, T.Q4_K), ("attn_k", KV_HEADS * head_dim, HIDDEN, T.Q4_K),
-                                     ("attn_v", KV_HEADS * head_dim, HIDDEN, six), ("attn_output", HIDDEN, HIDDEN, T.Q4_K),
+        kv = KV_HEADS * head_dim
+        for name, rows, k, qtype in (("attn_q", HIDDEN, HIDDEN, T.Q4_K), ("attn_k", kv, HIDDEN, T.Q4_K),
+                                     ("attn_v", kv, HIDDEN, six), ("attn_output", HIDDEN, HIDDEN, T.Q4_K),
                                      ("ffn_gate", INTERMEDIATE, HIDDEN, T.Q4_K), ("ffn_up", INTERMEDIATE, HIDDEN, T.Q4_K),
                                      ("ffn_down", HIDDEN, INTERMEDIATE, six)):
             writer.add_tensor(f"blk.{i}.{name}.weight", blocks(qtype, rows, k), raw_dtype=qtype)

@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Quantize a float model, or repack a quantized one ("
                                       + ", ".join(supported_sources())
                                       + "), into a torch_marlin checkpoint directory.")
-    conv.add_argument("src", help="source model directory (config.json + safetensors), or a Hugging Face Hub "
-                                  "repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
+    conv.add_argument("src", help="source model directory (config.json + safetensors), a .gguf file, or a Hugging "
+                                  "Face Hub repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
     conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS,
                       help="weight format for float sources (default fp4)")

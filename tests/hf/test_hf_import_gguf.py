@@ -108,7 +108,8 @@ def test_q4_k_m_file(tmp_path):
     for name, layer in layers.items():
         assert layer.weight_format == "affine" and layer.group_size == 32
         got, want = layer.dequantize(torch.float32), refs[f"{name}.weight"]
-        gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "o_proj": "attn_output", "gate_proj": "ffn_gate"}[name.rpartition(".")[2]]
+        gguf_name = {"q_proj": "attn_q", "k_proj": "attn_k", "o_proj": "attn_output",
+                     "gate_proj": "ffn_gate"}[name.rpartition(".")[2]]
         bound = _q4k_bound(path, f"blk.{name.split('.')[2]}.{gguf_name}.weight")
         if gguf_name in ("attn_q", "attn_k"):  # the file's rows are llama.cpp's order; ours the model's
             heads = model.config.num_attention_heads if gguf_name == "attn_q" else model.config.num_key_value_heads

@@ -160,7 +160,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would carry over to DST
     writer = ShardedWriter(tmp, max_shard_bytes)
     try:
-        result, modules = _write_tensors(importer.tensor_source(), importer, layout, writer, DTYPES.get(dtype), progress)
+        result, modules = _write_tensors(importer.tensor_source(), importer, layout, writer, DTYPES.get(dtype),
+                                         progress)
         writer.finish()
         _copy_other_files(source.directory, tmp)
         config = dict(source.config)

@@ -63,8 +63,8 @@ class BitsAndBytesSource(ReencodingImporter):
                     [f"{module}.weight", key] + self.present(*(f"{module}.weight.{name}" for name in (
                         "absmax", "quant_map", "nested_absmax", "nested_quant_map"))), bias)
         if not self.plans:
-            raise UnsupportedQuantization("config says bitsandbytes 4-bit but no '*.weight.quant_state.bitsandbytes__nf4' "
-                                          "or '__fp4' tensors were found")
+            raise UnsupportedQuantization("config says bitsandbytes 4-bit but no "
+                                          "'*.weight.quant_state.bitsandbytes__nf4' or '__fp4' tensors were found")
 
     def plan(self) -> Dict[str, LayerPlan]:
         return dict(self.plans)

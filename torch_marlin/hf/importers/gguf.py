@@ -135,7 +135,8 @@ class GGUFCheckpoint:
                 tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
             tokenizer.save_pretrained(self.directory)
         except Exception as e:  # noqa: BLE001  (tokenizer conversion raises many types)
-            return f"no tokenizer written: transformers could not build one from the GGUF file ({type(e).__name__}: {e})"
+            return (f"no tokenizer written: transformers could not build one from the GGUF file "
+                    f"({type(e).__name__}: {e})")
         return None
 
     @staticmethod
@@ -150,8 +151,8 @@ class GGUFCheckpoint:
         weights = result.weights
         if weights is None or tuple(weights.shape) != tuple(rows.shape) or \
                 not np.array_equal(np.sort(weights.reshape(-1)), rows.reshape(-1)):
-            raise UnsupportedQuantization(f"{tensor.name}: transformers' GGUF processor for this architecture does more "
-                                          f"than reorder its rows; torch_marlin cannot import it")
+            raise UnsupportedQuantization(f"{tensor.name}: transformers' GGUF processor for this architecture does "
+                                          f"more than reorder its rows; torch_marlin cannot import it")
         order = weights.reshape(-1).astype(np.int64)
         return mapping[result.name], None if np.array_equal(order, rows.reshape(-1)) else torch.from_numpy(order)
 

@@ -53,7 +53,6 @@ def unpack_bits(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 8:
         return raw[:, :count]
     if 8 % bits == 0:  # 2 and 4 bits: whole codes per byte
-        per = 8 // bits
         shifts = torch.arange(0, 8, bits, dtype=torch.int64)
         return ((raw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(n, -1)[:, :count]
     stream = ((raw.unsqueeze(-1) >> torch.arange(8, dtype=torch.int64)) & 1).reshape(n, -1)
@@ -123,7 +122,8 @@ class MLXSource(ReencodingImporter):
             raise UnsupportedQuantization(f"MLX quantization mode {mode!r} ({what}) is not supported; known modes: "
                                           f"{MODES}")
         group, bits = _MODE_DEFAULTS[mode]
-        params = {"mode": mode, "group_size": int(entry.get("group_size") or group), "bits": int(entry.get("bits") or bits)}
+        params = {"mode": mode, "group_size": int(entry.get("group_size") or group),
+                  "bits": int(entry.get("bits") or bits)}
         if params["bits"] not in (1, 2, 3, 4, 5, 6, 8):
             raise UnsupportedQuantization(f"MLX bits={params['bits']} ({what}) is not a width MLX quantizes to")
         return params
@@ -142,8 +142,8 @@ class MLXSource(ReencodingImporter):
         scales_shape = tuple(self.source.shape(f"{module}.scales"))
         if len(self.source.shape(f"{module}.weight")) != 2 or scales_shape != (n, k // params["group_size"]):
             raise CheckpointError(
-                f"{module}: weight {list(self.source.shape(f'{module}.weight'))} and scales {list(scales_shape)} do not "
-                f"fit {params['bits']}-bit {params['mode']} quantization with group size {params['group_size']}")
+                f"{module}: weight {list(self.source.shape(f'{module}.weight'))} and scales {list(scales_shape)} "
+                f"do not fit {params['bits']}-bit {params['mode']} quantization with group size {params['group_size']}")
         return n, k
 
     def _inexact_reason(self, module: str, params: dict) -> Optional[str]:
