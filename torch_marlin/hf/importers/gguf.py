@@ -179,19 +179,26 @@ class GGUFCheckpoint:
     def total_bytes(self) -> int:
         return sum(self.nbytes(k) for k in self._tensors)
 
-    def load(self, key: str) -> torch.Tensor:
-        """A float tensor as stored, or a quantized one's blocks uint8 [N, bytes per row]."""
+    def _bytes(self, key: str) -> np.ndarray:
+        """The tensor's bytes, read from the file (not through the reader's memory map, whose
+        pages would stay resident: memory stays one tensor, whatever the file's size)."""
         if key not in self._tensors:
             raise CheckpointError(f"tensor {key!r} not found in {self.path}")
-        tensor, kind, order = self._tensors[key]
-        data = np.asarray(tensor.data)
+        tensor = self._tensors[key][0]
+        with open(self.path, "rb") as f:
+            f.seek(int(tensor.data_offset))
+            data = np.fromfile(f, dtype=np.uint8, count=int(tensor.n_bytes))
+        if data.size != int(tensor.n_bytes):
+            raise CheckpointError(f"{self.path}: tensor {tensor.name} is truncated ({data.size} of {tensor.n_bytes} "
+                                  f"bytes)")
+        return data
+
+    def load(self, key: str) -> torch.Tensor:
+        """A float tensor as stored, or a quantized one's blocks uint8 [N, bytes per row]."""
+        data = torch.from_numpy(self._bytes(key))
+        _, kind, order = self._tensors[key]
         shape = self.shape(key)
-        if kind in _FLOAT_TYPES:
-            dtype = _FLOAT_TYPES[kind]
-            raw = torch.from_numpy(data.view(np.uint16 if dtype != torch.float32 else np.float32).copy())
-            t = (raw.view(torch.int16) if dtype != torch.float32 else raw).view(dtype).reshape(shape)
-        else:
-            t = torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1).copy())
+        t = data.view(_FLOAT_TYPES[kind]).reshape(shape) if kind in _FLOAT_TYPES else data.reshape(shape[0], -1)
         return t if order is None else t[order].contiguous()
 
     def dequantize(self, key: str) -> torch.Tensor:
@@ -200,7 +207,7 @@ class GGUFCheckpoint:
         gguf = import_gguf()
         tensor, kind, order = self._tensors[key]
         shape = self.shape(key)
-        data = np.asarray(tensor.data).reshape(shape[0], -1) if len(shape) == 2 else np.asarray(tensor.data)
+        data = self._bytes(key).reshape(shape[0], -1)
         out = torch.empty(shape, dtype=torch.float32)
         rows = max(1, _DEQUANTIZE_ELEMENTS // max(1, shape[-1])) if len(shape) == 2 else shape[0]
         try:
