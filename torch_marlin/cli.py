@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--requantize", action="store_true",
-                      help="MLX, GGUF and bitsandbytes sources: re-quantize the linear layers stored in a form "
+                      help="MLX and GGUF sources: re-quantize the linear layers stored in a form "
                            "with no exact torch_marlin format (MLX 8-bit, GGUF Q5/Q6/Q8/F16/IQ4_NL) with --format/"
                            "--group-size/--quantizer (default: keep them in float, dequantized)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",

@@ -118,7 +118,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
     a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
     stacks have no 2:4 layout and are quantized dense (the summary says so).
-    `requantize` applies to MLX, GGUF and bitsandbytes sources: their layers stored in a form
+    `requantize` applies to MLX and GGUF sources: their layers stored in a form
     with no exact torch_marlin format (8-bit, Q6_K, ...) are re-quantized with
     weight_format/group_size/quantizer instead of kept in float (docs/CONVERT.md).
     """

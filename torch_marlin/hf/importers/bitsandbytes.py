@@ -124,16 +124,16 @@ class BitsAndBytesSource(ReencodingImporter):
         if not torch.allclose(table, expected, rtol=0, atol=1e-7):
             raise UnsupportedQuantization(f"{module}.weight.quant_map is not bitsandbytes' {kind.upper()} table: "
                                           f"{table.tolist()}")
-        q = QuantizedWeight.from_codes(codes.t().contiguous(), self.to_fp16_scales(scales, module).t().contiguous(),
-                                       None, fmt, blocksize, in_features=k, out_features=n)
+        half = scales.to(torch.float16)  # one rounding: the stated bound, so no note per layer
+        if not torch.isfinite(half).all():
+            raise UnsupportedQuantization(f"{module}: an absmax exceeds the fp16 range (max {formats.FP16_MAX}); "
+                                          f"torch_marlin stores fp16 scales")
+        q = QuantizedWeight.from_codes(codes.t().contiguous(), half.t().contiguous(), None, fmt, blocksize,
+                                       in_features=k, out_features=n)
         bits = 4 + (8 + 32 / 256 if self.source.dtype(f"{module}.weight.absmax") == torch.uint8 else 32) / blocksize
         return self.imported(module, q, bits, exact=False)
 
     def description(self) -> dict:
         return {"method": "bitsandbytes", "quant_type": self.config.get("bnb_4bit_quant_type"),
                 "double_quant": bool(self.config.get("bnb_4bit_use_double_quant"))}
-
-    def note(self, message: str) -> None:  # rounding of absmax to fp16 is the stated bound, not news
-        if "not exactly representable in fp16" not in message:
-            super().note(message)
 

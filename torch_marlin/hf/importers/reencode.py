@@ -135,7 +135,6 @@ class ReencodingImporter(Importer):
     layout: object = None  # the ModelLayout of the model
     options: ImportOptions = field(default_factory=ImportOptions)
     tally: Tally = field(default_factory=Tally)
-    LABEL_SHORT = ""
 
     @classmethod
     def from_config(cls, source, method, config, layout=None, options=None):
