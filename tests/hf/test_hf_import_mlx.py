@@ -157,6 +157,8 @@ def test_fp4_modes_import_as_fp4(tmp_path, mode, group_size, global_scale):
 
 def test_other_bit_widths_kept_float_or_requantized(tmp_path):
     overrides = {"model.layers.0.mlp.down_proj": {"bits": 8}, "model.layers.1.self_attn.v_proj": {"bits": 3},
+                 "model.layers.1.mlp.gate_proj": {"mode": "mxfp8", "bits": 8, "group_size": 32},
+                 "model.layers.0.self_attn.k_proj": {"bits": 6, "group_size": 32},
                  "model.layers.1.mlp.up_proj": False}
     src, refs, reference = make_mlx_checkpoint(tmp_path, "llama-tied", torch.bfloat16, overrides=overrides)
     dst = str(tmp_path / "float")
@@ -166,7 +168,8 @@ def test_other_bit_widths_kept_float_or_requantized(tmp_path):
     assert "model.layers.0.mlp.down_proj" not in marlin_modules(model)
     assert "model.layers.1.mlp.up_proj" not in marlin_modules(model)
     # Kept float: MLX's own bf16 dequantization, bit for bit.
-    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj"):
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj", "model.layers.1.mlp.gate_proj",
+                 "model.layers.0.self_attn.k_proj"):
         assert torch.equal(model.get_submodule(name).weight.float(), reference.get_submodule(name).weight)
     text = str(summary)
     assert "kept float" in text and "model.layers.0.mlp.down_proj" in text
