@@ -9,7 +9,7 @@ imported as affine g32, Q6_K kept in float) and reports the process's wall time,
 (the steadier figure on a shared machine), the time convert() took, peak RSS and output size.
 Needs the gguf package and transformers.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_convert_gguf.py [--repeat 2] [--layers 16]
+    OMP_NUM_THREADS=1 python benchmarks/bench_convert_gguf.py [--repeat 2] [--layers 16] [--vocab 32000]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 2048, 8192, 32, 8, 32000
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 2048, 8192, 32, 8
 
 _CONVERT = """
 import json, resource, sys, time
@@ -40,7 +40,7 @@ print(json.dumps({"convert_s": convert_s, "cpu_s": usage.ru_utime + usage.ru_sti
 """
 
 
-def write_file(path: str, layers: int) -> None:
+def write_file(path: str, layers: int, vocab: int = 32000) -> None:
     import numpy as np
     import gguf
 
@@ -69,13 +69,13 @@ def write_file(path: str, layers: int) -> None:
     writer.add_rope_freq_base(500000.0)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
     writer.add_tokenizer_model("llama")
-    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(VOCAB - 3)])
-    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(VOCAB - 3)])
-    writer.add_token_types([2, 3, 3] + [1] * (VOCAB - 3))
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(vocab - 3)])
+    writer.add_token_scores([0.0] * 3 + [-float(i) for i in range(vocab - 3)])
+    writer.add_token_types([2, 3, 3] + [1] * (vocab - 3))
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     head_dim = HIDDEN // HEADS
-    writer.add_tensor("token_embd.weight", blocks(T.Q6_K, VOCAB, HIDDEN), raw_dtype=T.Q6_K)
+    writer.add_tensor("token_embd.weight", blocks(T.Q6_K, vocab, HIDDEN), raw_dtype=T.Q6_K)
     for i in range(layers):
         six = T.Q6_K if i % 2 == 0 else T.Q4_K  # Q4_K_M: half the layers' v and down in Q6_K
         kv = KV_HEADS * head_dim
@@ -97,12 +97,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=32000, help="128256 for Llama 3's vocabulary size")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-gguf-")
     try:
         path = os.path.join(work, "model-Q4_K_M.gguf")
         t0 = time.perf_counter()
-        write_file(path, args.layers)
+        write_file(path, args.layers, args.vocab)
         print(f"wrote {path}: {os.path.getsize(path) / 2 ** 20:.0f} MiB in {time.perf_counter() - t0:.0f} s")
         for run in range(args.repeat):
             dst = os.path.join(work, f"out{run}")

@@ -234,10 +234,9 @@ _GROWTH = textwrap.dedent("""
 
 
 def test_gguf_conversion_streams(tmp_path):
-    """Peak memory is about one tensor plus per-layer bookkeeping (the meta model, name maps:
-    about 0.3 MiB per layer here), not the file: tripling the layers (Q4_0 attention, F32 MLP
-    tensors of 2 MiB) moves the peak growth by a fifth of the added size at most, and it stays
-    below an eighth of the file (measured: 1.2 and 11.2 MiB for 39 and 113 MiB files)."""
+    """Peak memory is about one tensor, not the file: tripling the layers (Q4_0 attention, F32
+    MLP tensors of 2 MiB) moves the peak growth by a tenth of the added size at most, and it
+    stays below an eighth of the file (measured: 6.3 and 7.1 MiB for 39 and 113 MiB files)."""
     import subprocess
     import sys
 
@@ -260,5 +259,5 @@ def test_gguf_conversion_streams(tmp_path):
     added = sizes[18] - sizes[6]
     print(f"peak growth {growth[6] / 2 ** 20:.1f} and {growth[18] / 2 ** 20:.1f} MiB for "
           f"{sizes[6] / 2 ** 20:.0f} and {sizes[18] / 2 ** 20:.0f} MiB files")
-    assert growth[18] - growth[6] < added / 5
+    assert growth[18] - growth[6] < added / 10
     assert growth[18] < sizes[18] / 8
