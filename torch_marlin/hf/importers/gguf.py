@@ -1,4 +1,4 @@
-"""GGUF files (llama.cpp, Ollama, LM Studio), read with the `gguf` package.
+"""GGUF files (llama.cpp, Ollama, LM Studio): block types and dequantization from the `gguf` package.
 
 The model's config, tokenizer and tensor names come from transformers' own GGUF support
 (the config and tokenizer it builds with `gguf_file=`, `get_gguf_hf_weights_map`, and its
