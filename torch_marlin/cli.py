@@ -37,8 +37,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Quantize a float model, or repack a quantized one ("
                                       + ", ".join(supported_sources())
                                       + "), into a torch_marlin checkpoint directory.")
-    conv.add_argument("src", help="source model directory (config.json + safetensors), or a Hugging Face Hub "
-                                  "repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
+    conv.add_argument("src", help="source model directory (config.json + safetensors), a .gguf file, or a Hugging "
+                                  "Face Hub repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
     conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
     conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS,
                       help="weight format for float sources (default fp4)")
@@ -56,10 +56,16 @@ def _parser() -> argparse.ArgumentParser:
                            "pattern); docs/SPARSITY.md")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
+    conv.add_argument("--requantize", action="store_true",
+                      help="MLX and GGUF sources: re-quantize the linear layers stored in a form "
+                           "with no exact torch_marlin format (MLX 8-bit, GGUF Q5/Q6/Q8/F16/IQ4_NL) with --format/"
+                           "--group-size/--quantizer (default: keep them in float, dequantized)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
                       help="maximum output shard size in MiB (default 2048)")
     conv.add_argument("--allow-pickle", action="store_true",
                       help="accept pytorch_model.bin weights (loaded with weights_only=True)")
+    conv.add_argument("--gguf-file", default=None, metavar="NAME",
+                      help="convert this GGUF file of the SRC directory or Hub repo (SRC may also be a .gguf file)")
     conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -139,7 +145,8 @@ def _convert(args) -> int:
                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                           revision=args.revision, sparsity=args.sparsity)
+                           revision=args.revision, sparsity=args.sparsity, requantize=args.requantize,
+                           gguf_file=args.gguf_file)
     return _report(run)
 
 

@@ -30,6 +30,8 @@ from .config import build_quantization_config
 from .errors import CheckpointError, UnsupportedQuantization
 from .hub import resolve_source
 from .importers import ConvertedLayer, FloatSource, Importer, make_importer, source_quantization, source_side_files
+from .importers.gguf import GGUFCheckpoint, gguf_path
+from .importers.reencode import ImportOptions
 from .model_layers import describe_model, expert_parts
 from .modules import layout_state
 from .safetensors_io import ShardedWriter
@@ -55,6 +57,7 @@ class ConversionSummary:
     already_sparse: List[str] = field(default_factory=list)  # sparsity: layers that were already 2:4
     sparsity: Optional[str] = None  # float sources: the layout asked for (expert stacks stay dense)
     notes: List[str] = field(default_factory=list)  # inexact values, dropped tensors
+    source_lines: List[str] = field(default_factory=list)  # per source: exact / within bound / kept float
     seconds: float = 0.0
     output: str = ""
 
@@ -73,6 +76,7 @@ class ConversionSummary:
             f"size {self.bytes_before * mib:.2f} MiB -> {self.bytes_after * mib:.2f} MiB; "
             f"{self.bits_per_weight:.3f} bits per quantized weight" + self._padding(),
         ]
+        lines += self.source_lines
         if self.mean_relative_error is not None:
             lines.append(f"mean relative weight error {self.mean_relative_error:.4f}")
         if self.already_sparse:
@@ -100,18 +104,23 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
-            revision: Optional[str] = None, sparsity: Optional[str] = None) -> ConversionSummary:
+            revision: Optional[str] = None, sparsity: Optional[str] = None,
+            requantize: bool = False, gguf_file: Optional[str] = None) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
     resolved with huggingface_hub: downloaded when online, taken from the
     Hub cache with HF_HUB_OFFLINE=1 (torch_marlin/hf/hub.py).
+    `src` may be a GGUF file (model.gguf), or a directory or Hub repo holding `gguf_file`.
     weight_format/group_size/quantizer/exclude/quantize_lm_head apply to float
     sources; quantized sources keep their own format. `dtype` ("float16",
     "bfloat16", "float32" or None to keep) casts the tensors left in float.
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
     a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
     stacks have no 2:4 layout and are quantized dense (the summary says so).
+    `requantize` applies to MLX and GGUF sources: their layers stored in a form
+    with no exact torch_marlin format (8-bit, Q6_K, ...) are re-quantized with
+    weight_format/group_size/quantizer instead of kept in float (docs/CONVERT.md).
     """
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
@@ -126,11 +135,12 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"revision must be a branch, tag or commit name, got {revision!r}")
     start = time.time()
     src, dst = check_paths(src, dst, overwrite,
-                           resolve=lambda path: resolve_source(path, revision, allow_pickle, progress))
-    source = SourceCheckpoint(src, allow_pickle=allow_pickle)
+                           resolve=lambda path: resolve_source(path, revision, allow_pickle, progress, gguf_file))
+    gguf = gguf_path(src, gguf_file)
+    source = GGUFCheckpoint(gguf) if gguf else SourceCheckpoint(src, allow_pickle=allow_pickle)
     method, source_config = source_quantization(source)
     shapes = {key: source.shape(key) for key in source.keys()}
-    layout = describe_model(src, shapes)
+    layout = describe_model(source.directory, shapes)
     if method is None:
         importer: Importer = FloatSource(source, layout=layout, weight_format=weight_format,
                                          group_size=group_size, quantizer=quantizer, exclude=list(exclude),
@@ -139,7 +149,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         raise ValueError(f"sparsity={sparsity!r} applies to float sources; {src} is already quantized "
                          f"({method}) and is repacked as it is")
     else:
-        importer = make_importer(source, method, source_config)
+        importer = make_importer(source, method, source_config, layout=layout, options=ImportOptions(
+            requantize=requantize, weight_format=weight_format, group_size=group_size, quantizer=quantizer))
     if not layout.exact:
         importer.note("linear layers were found by name (the model class could not be built); check the list")
 
@@ -149,11 +160,13 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp's 0700 would carry over to DST
     writer = ShardedWriter(tmp, max_shard_bytes)
     try:
-        result, modules = _write_tensors(source, importer, layout, writer, DTYPES.get(dtype), progress)
+        result, modules = _write_tensors(importer.tensor_source(), importer, layout, writer, DTYPES.get(dtype),
+                                         progress)
         writer.finish()
-        _copy_other_files(src, tmp)
+        _copy_other_files(source.directory, tmp)
         config = dict(source.config)
-        config.pop("quantization_config", None)
+        for key in ("quantization_config", *importer.CONFIG_KEYS):
+            config.pop(key, None)
         config["quantization_config"] = build_quantization_config(importer, modules, result.layers_in_float)
         if dtype is not None:
             config["dtype"] = dtype
@@ -171,6 +184,7 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     result.bytes_before = source.total_bytes()
     result.bytes_after = writer.total_bytes
     result.notes = list(importer.notes)
+    result.source_lines = importer.summary_lines()
     result.seconds = time.time() - start
     result.output = dst
     return result

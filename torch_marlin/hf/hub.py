@@ -24,15 +24,17 @@ _PICKLE_PATTERNS = ["*.bin"]
 
 
 def resolve_source(src: str, revision: Optional[str] = None, allow_pickle: bool = False,
-                   progress: bool = True) -> str:
-    """The local directory of conversion source `src`: `src` itself when it is a directory,
-    else the snapshot of Hub repo `src` at `revision` (default: the main branch)."""
-    if os.path.isdir(src):
+                   progress: bool = True, gguf_file: Optional[str] = None) -> str:
+    """The local directory of conversion source `src`: `src` itself when it is a directory
+    (or a .gguf file), else the snapshot of Hub repo `src` at `revision` (default: the main
+    branch); with `gguf_file`, that file of the repo rather than its safetensors weights."""
+    if os.path.isdir(src) or (os.path.isfile(src) and src.endswith(".gguf") and gguf_file is None):
         if revision is not None:
-            raise ValueError(f"revision={revision!r} applies to Hub repo ids, but {src} is a local directory")
+            raise ValueError(f"revision={revision!r} applies to Hub repo ids, but {src} is a local path")
         return src
     if os.path.exists(src):
-        raise CheckpointError(f"source {src} is a file; expected a model directory or a Hugging Face Hub repo id")
+        raise CheckpointError(f"source {src} is a file; expected a model directory, a .gguf file or a Hugging Face "
+                              f"Hub repo id")
     try:
         import huggingface_hub
     except ImportError as e:
@@ -41,13 +43,18 @@ def resolve_source(src: str, revision: Optional[str] = None, allow_pickle: bool 
     if not _is_repo_id(src):
         raise CheckpointError(f"source model directory not found: {src}")
     patterns = _ALLOW_PATTERNS + (_PICKLE_PATTERNS if allow_pickle else [])
+    if gguf_file is not None:  # the one GGUF file and the repo's small files; not its other weights
+        patterns = [gguf_file] + [p for p in _ALLOW_PATTERNS if p != "*.safetensors"]
     try:
         with _progress_bars(progress):
             path = huggingface_hub.snapshot_download(repo_id=src, revision=revision, allow_patterns=patterns)
     except Exception as e:  # noqa: BLE001  (huggingface_hub and its HTTP client raise many types)
         raise CheckpointError(_not_resolved(src, revision, _reason(src, revision, e))) from e
     weights = (".safetensors", ".bin") if allow_pickle else (".safetensors",)
-    if not any(name.endswith(weights) for name in os.listdir(path)):  # e.g. only a tokenizer was cached
+    if gguf_file is not None:
+        if not os.path.isfile(os.path.join(path, gguf_file)):
+            raise CheckpointError(_not_resolved(src, revision, f"its snapshot {path} has no file {gguf_file!r}"))
+    elif not any(name.endswith(weights) for name in os.listdir(path)):  # e.g. only a tokenizer was cached
         have = f"its snapshot {path} holds no {' or '.join(weights)} weights"
         raise CheckpointError(_not_resolved(src, revision, have))
     return path

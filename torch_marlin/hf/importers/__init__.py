@@ -33,6 +33,10 @@ def source_side_files() -> Tuple[str, ...]:
 
 def source_quantization(source: SourceCheckpoint) -> Tuple[Optional[str], dict]:
     """(method, config) of an already-quantized source, or (None, {}) for float."""
+    for cls in REGISTERED:
+        detected = cls.detect(source.config)
+        if detected is not None:
+            return str(detected["quant_method"]), detected
     qc = source.config.get("quantization_config")
     if qc is not None and not isinstance(qc, dict):
         raise UnsupportedQuantization(f"config.json quantization_config must be an object, got {qc!r}")
@@ -50,11 +54,11 @@ def source_quantization(source: SourceCheckpoint) -> Tuple[Optional[str], dict]:
     return None, {}
 
 
-def make_importer(source: SourceCheckpoint, method: str, config: dict) -> Importer:
+def make_importer(source: SourceCheckpoint, method: str, config: dict, layout=None, options=None) -> Importer:
     """The registered importer for `method` (a quant_method value)."""
     for cls in REGISTERED:
         if method in cls.QUANT_METHODS:
-            return cls.from_config(source, method, config)
+            return cls.from_config(source, method, config, layout=layout, options=options)
     if method == "torch_marlin":
         raise UnsupportedQuantization("the source is already a torch_marlin checkpoint")
     raise UnsupportedQuantization(f"unknown or unsupported quantization method {method!r}; "

@@ -48,6 +48,7 @@ class Importer:
     QUANT_METHODS: ClassVar[Tuple[str, ...]] = ()  # quant_method values handled (lower case)
     SIDE_FILES: ClassVar[Tuple[str, ...]] = ()  # quantization configs next to config.json (not copied)
     LABEL: ClassVar[str] = ""  # how --help names the source
+    CONFIG_KEYS: ClassVar[Tuple[str, ...]] = ()  # the source's own config.json keys, dropped from the output
 
     source: SourceCheckpoint
     notes: List[str] = field(default_factory=list)  # inexact values etc., for the summary
@@ -59,9 +60,26 @@ class Importer:
             REGISTERED.append(cls)
 
     @classmethod
-    def from_config(cls, source: SourceCheckpoint, method: str, config: dict) -> "Importer":
-        """The importer for a source whose quant_method is `method` (one of QUANT_METHODS)."""
+    def from_config(cls, source: SourceCheckpoint, method: str, config: dict, layout=None,
+                    options=None) -> "Importer":
+        """The importer for a source whose quant_method is `method` (one of QUANT_METHODS);
+        `layout` (the model's ModelLayout) and `options` (reencode.ImportOptions) are for
+        importers that need them."""
         return cls(source, config=config)
+
+    @classmethod
+    def detect(cls, config: dict) -> Optional[dict]:
+        """The quantization config (with its quant_method) of a config.json that names none
+        the usual way (MLX's `quantization`), or None."""
+        return None
+
+    def tensor_source(self):
+        """What the converter streams: the source, or a view with some tensors dequantized."""
+        return self.source
+
+    def summary_lines(self) -> List[str]:
+        """Lines for the conversion summary (what was imported exactly, within a bound, ...)."""
+        return []
 
     @classmethod
     def config_from_side_file(cls, name: str, data: dict) -> dict:

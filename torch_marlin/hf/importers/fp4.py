@@ -128,7 +128,7 @@ class NVFP4Source(Importer):
             raise UnsupportedQuantization(f"NVFP4 group_size={group} is not supported (expected 16)")
 
     @classmethod
-    def from_config(cls, source, method, config):
+    def from_config(cls, source, method, config, layout=None, options=None):
         algo = str(config.get("quant_algo", "")).upper()
         if algo != "NVFP4":
             raise UnsupportedQuantization(f"modelopt quant_algo={algo!r} is not supported (only NVFP4)")
