@@ -33,7 +33,9 @@ from .layouts.rans import GRID, RansQuantizedWeight
 MAX_Q = 127  # |q| bound of the quantizers (symbols 1..255)
 STEP_MULTIPLIERS = (0.85, 1.0, 1.15)  # around the high-rate step of a lambda
 RDO_PASSES = 2
-ROW_POWER = 0.0  # step of row n ~ rms(row)^ROW_POWER: measured in docs/ENTROPY.md
+ROW_POWER = 1.0  # step of row n ~ rms(row)^ROW_POWER: measured in docs/ENTROPY.md
+RATE_AWARE = False  # rate-aware rounding by default: measured in docs/ENTROPY.md
+WEIGHTING = "weight"
 # "layer": every layer's relative error ||W - Wq||^2 / ||W||^2 counts once; "weight":
 # it counts once per weight (the same relative step everywhere). Measured: docs/ENTROPY.md.
 WEIGHTINGS = ("layer", "weight")
@@ -70,7 +72,9 @@ def row_steps(w: torch.Tensor, step: float, row_power: float = ROW_POWER) -> tor
     rms_row = w.pow(2).mean(1).sqrt()
     rms = float(w.pow(2).mean().sqrt())
     shape = (rms_row / max(rms, _TINY)).clamp_min(1e-3).pow(row_power) if row_power else torch.ones_like(rms_row)
-    return (step * shape).clamp(2.0 ** -14, 65504.0).half()
+    # Never finer than the row's absmax / 127: no weight is clamped (and sizes fall with lambda).
+    finest = w.abs().amax(1) / MAX_Q * (1 + 2.0 ** -10)
+    return torch.maximum(step * shape, finest).clamp(2.0 ** -14, 65504.0).half()
 
 
 def round_rate_aware(y: torch.Tensor, distortion_scale, lam: float, bits: Optional[torch.Tensor]) -> torch.Tensor:
@@ -100,7 +104,7 @@ class GridResult:
 
 
 def quantize_grid(w: torch.Tensor, step: float, lam: float, prob_bits: int = rans.DEFAULT_PROB_BITS,
-                  rate_aware: bool = True, row_power: float = ROW_POWER) -> GridResult:
+                  rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER) -> GridResult:
     """Round w [N, K] (float32) onto the grid of `step` with rate-aware rounding at `lam`
     (distortion in units of ||W||^2, rate in bits)."""
     norm2 = max(float(w.pow(2).sum()), _TINY)
@@ -184,7 +188,7 @@ def _sizes_at(layers: List[_Layer], lam: float, prob_bits: int, rate_aware: bool
     return total
 
 
-def allocate(layers: List[_Layer], budget_bits: float, prob_bits: int, rate_aware: bool = True,
+def allocate(layers: List[_Layer], budget_bits: float, prob_bits: int, rate_aware: bool = RATE_AWARE,
              row_power: float = ROW_POWER) -> float:
     """The smallest lambda (on a bisection in log lambda) whose sizes meet budget_bits."""
     floor_bits = sum(layer.overhead_bits for layer in layers)
@@ -215,41 +219,6 @@ def encode_grid(result: GridResult, chunk_k: int, prob_bits: int) -> RansQuantiz
     symbols = (result.codes.t() + rans.GRID_OFFSET).to(torch.uint8)
     return RansQuantizedWeight.from_codes(symbols, result.steps.unsqueeze(0).contiguous(), None, GRID, -1,
                                           chunk_k, prob_bits)
-
-
-def quantize_weights_to_bits(weights: Dict[str, torch.Tensor], bits: float, prob_bits: int = rans.DEFAULT_PROB_BITS,
-                             chunk_k: Optional[int] = None, rate_aware: bool = True,
-                             row_power: float = ROW_POWER, weighting: str = "layer") -> Dict[str, RansQuantizedWeight]:
-    """Grid quantization of several weights [N, K] to an average of `bits` per weight, every
-    byte of the coded weights counted; the result never exceeds the budget."""
-    bits = check_bits(bits)
-    prob_bits = rans.check_prob_bits(prob_bits)
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
-    layers = [_layer(name, w, chunk_k, weighting) for name, w in weights.items()]
-    budget = bits * sum(layer.num_weights for layer in layers)
-    target, best = budget, None
-    for _attempt in range(8):
-        lam = allocate(layers, target, prob_bits, rate_aware, row_power)
-        out = {}
-        for layer in layers:
-            step = layer.choice[lam]
-            result = quantize_grid(layer.weight, step, lam / layer.importance, prob_bits, rate_aware, row_power)
-            q = encode_grid(result, layer.chunk_k, prob_bits)
-            q.relative_error = math.sqrt(result.distortion)
-            out[layer.name] = q
-        used = sum(8 * q.nbytes for q in out.values())
-        if used <= budget:
-            if best is None or used > best[0]:
-                best = (used, out)
-            if budget - used < 0.002 * budget or _attempt >= 2:
-                return best[1]
-            target += budget - used  # the sampled estimate was pessimistic: aim higher
-        else:
-            target -= (used - budget) + 0.001 * budget  # optimistic: aim lower
-    if best is not None:
-        return best[1]
-    raise RuntimeError(f"could not meet bits={bits}: {used / sum(l.num_weights for l in layers):.4f} bits per weight")
 
 
 # --- GPTQ on the grid ---------------------------------------------------------------------
@@ -356,8 +325,8 @@ class _Plan:
 
 
 def plan(weights: Dict[str, torch.Tensor], bits: float, prob_bits: int = rans.DEFAULT_PROB_BITS,
-         chunk_k: Optional[int] = None, rate_aware: bool = True, row_power: float = ROW_POWER,
-         weighting: str = "layer") -> _Plan:
+         chunk_k: Optional[int] = None, rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER,
+         weighting: str = WEIGHTING) -> _Plan:
     bits = check_bits(bits)
     prob_bits = rans.check_prob_bits(prob_bits)
     if weighting not in WEIGHTINGS:
@@ -433,7 +402,7 @@ def grid_linear(linear: nn.Module, bits: float, method: str = "rtn", hessian: Op
 def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report, bits: float, method: str,
                         calibration=None, act_order: bool = False, damp: float = 0.01, block_size: int = 128,
                         prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
-                        rate_aware: bool = True, row_power: float = ROW_POWER, weighting: str = "layer") -> None:
+                        rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER, weighting: str = WEIGHTING) -> None:
     """quantize_model(model, bits=...): the grid at an average of `bits` per weight over `targets`."""
     from .gptq import output_error
     from .linear import MarlinLinear, is_conv1d, linear_weight
@@ -509,6 +478,7 @@ def quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_siz
     if entropy_code:
         report = quantize_model(model, weight_format, group_size, include, exclude, method, calibration, **options)
         entropy_code_modules(model, report.replaced, **coding)
+        report.method_name += ", entropy-coded"
         report.bytes_after = 0
         for name in report.replaced:
             module = model.get_submodule(name)
@@ -520,7 +490,8 @@ def quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_siz
         raise ValueError(f"bits= selects the grid (weight_format='grid', group_size=-1); got weight_format="
                          f"{weight_format!r}, group_size={group_size} (for lossless coding of a 4-bit format use "
                          f"entropy_code=True)")
-    report = QuantizationReport()
+    report = QuantizationReport(method_name="entropy-coded grid (round to nearest)")
+    report.experts_skipped = [name for name in supported if name not in selected]  # left in float
     targets = select_linear_layers(model, include_p, exclude_p, report)
     if not targets:
         raise ValueError("bits=: no linear layer selected (check include/exclude)")
