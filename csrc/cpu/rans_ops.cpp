@@ -31,22 +31,9 @@ const RansKernels& rans_kernels() {
 
 // The slot table of rans_kernel_args.h from freqs (checked: they sum to 2^prob_bits).
 std::vector<uint32_t> slot_table(const at::Tensor& freqs, const RansShape& s) {
-  const uint16_t* f = reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>());
-  const uint32_t size = 1u << s.prob_bits;
-  const bool packed = s.prob_bits <= kRansPackedProbBits;
-  std::vector<uint32_t> table(packed ? size : 2 * size);
-  uint32_t cum = 0;
-  for (int64_t sym = 0; sym < s.symbols; ++sym) {
-    for (uint32_t j = 0; j < f[sym]; ++j) {
-      if (packed) {
-        table[cum + j] = uint32_t(sym) | j << 8 | (f[sym] - 1u) << 20;
-      } else {
-        table[cum + j] = f[sym] | j << 16;
-        table[size + cum + j] = uint32_t(sym);
-      }
-    }
-    cum += f[sym];
-  }
+  std::vector<uint32_t> table(rans_slot_table_size(int(s.prob_bits)));
+  build_rans_slot_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()), int(s.symbols),
+                        int(s.prob_bits), table.data());
   return table;
 }
 
