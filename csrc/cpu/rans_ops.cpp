@@ -4,6 +4,7 @@
 // the dense op runs (TORCH_MARLIN_CPU_KERNELS included).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -75,16 +76,15 @@ at::Tensor rans_decode_cpu(const at::Tensor& words, const at::Tensor& word_offse
 }
 
 // The fused GEMV for m <= kGemvMaxRows rows into out [m, N]: work items are
-// kRansGemvItemBlocks column blocks, and when there are fewer items than
-// threads also ranges of K chunks, whose partial sums are added in order
-// (deterministic). A range must hold whole groups of a format with zeros (its
-// zero term is per group).
+// kRansGemvItemBlocks column blocks. For the grid, when there are fewer items
+// than threads, also ranges of K chunks, whose partial sums are added in order
+// (deterministic for a thread count). Lossless formats never split K: their
+// sums keep the dense op's order, so the results equal its results.
 uint32_t rans_gemv_all(const RansKernels& kern, const RansArgs& a, const RansGemmShape& r, int64_t m, float* out) {
   const RansShape& s = r.streams;
   const int64_t threads = at::get_num_threads();
   const int64_t items = (s.blocks + kRansGemvItemBlocks - 1) / kRansGemvItemBlocks;
-  const bool may_split = !has_zeros(r.groups.format) || r.groups.group_rows <= s.chunk_k;
-  const int64_t parts = may_split && items < threads ? std::min(s.kchunks, (threads + items - 1) / items) : 1;
+  const int64_t parts = r.grid && items < threads ? std::min(s.kchunks, (threads + items - 1) / items) : 1;
   const int64_t ld = s.blocks * kRansLanes;  // padded columns
   std::vector<float> partial(parts * m * ld);
   std::atomic<uint32_t> bad{0};
@@ -148,7 +148,16 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
     g.format = int(r.groups.format);
     at::Tensor xsum;  // the zero point's (or bias's) term per group, as the dense op sums it
     if (has_zeros(r.groups.format)) {
-      xsum = x2.view({m, g.groups, g.group_rows}).sum(-1, false, at::kFloat).contiguous();
+      // x padded with zeros as the dense layout pads it (to whole groups, or to a
+      // multiple of 8 for one group), so that these sums equal the dense op's.
+      const int64_t k_dense = group_size == -1 ? (K + kPackFactor - 1) / kPackFactor * kPackFactor
+                                               : g.groups * g.group_rows;
+      at::Tensor xg = x2;
+      if (K != k_dense) {
+        xg = at::zeros({m, k_dense}, x2.options());
+        xg.narrow(1, 0, K).copy_(x2);
+      }
+      xsum = xg.view({m, g.groups, k_dense / g.groups}).sum(-1, false, at::kFloat).contiguous();
       g.xsum = xsum.data_ptr<float>();
     }
     if (m <= kGemvMaxRows) {
