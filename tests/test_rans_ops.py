@@ -388,3 +388,37 @@ def test_kernel_build_matches_reference(build, child_pytest):
                                       [__file__, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
     assert returncode == 0, output[-6000:]
     assert " passed" in output and " failed" not in output
+
+
+# --- fake kernels, autograd, torch.compile (registered by torch_marlin/layouts/rans.py) ----
+
+@pytest.mark.parametrize("weight_format", ["uint4", "grid"])
+def test_opcheck(weight_format):
+    k, n, chunk_k = 96, 40, 32
+    symbols, group_size = (256, -1) if weight_format == "grid" else (16, 32)
+    codes = skewed_codes(k, n, symbols)
+    t = encode(codes.numpy(), chunk_k, 12, symbols)
+    scales, zeros = ((torch.rand(1, n) * 0.01).half(), None) if weight_format == "grid" else \
+        random_groups(k, n, weight_format, group_size)
+    for x in (torch.randn(3, k, requires_grad=True), torch.randn(2, 1, k).bfloat16()):
+        bias = torch.randn(n).to(x.dtype)
+        torch.library.opcheck(torch.ops.marlin.rans_gemm.default,
+                              (x, *t, scales, zeros, bias, weight_format, k, chunk_k, 12, group_size))
+    torch.library.opcheck(torch.ops.marlin.rans_decode.default, (*t, k, n, chunk_k, 12))
+
+
+def test_torch_compile_fullgraph():
+    k, n, chunk_k = 128, 70, 64
+    codes = skewed_codes(k, n, 256)
+    t = encode(codes.numpy(), chunk_k, 12, 256)
+    scales = (torch.rand(1, n) * 0.01).half()
+
+    def f(x):
+        return torch.nn.functional.gelu(torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12,
+                                                                   -1)) * 2
+
+    for rows in (1, 16):
+        x = torch.randn(rows, k)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=backend)(x), f(x))
