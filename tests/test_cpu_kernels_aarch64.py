@@ -25,7 +25,10 @@ if (CXX is None or QEMU is None) and os.environ.get("CI"):
     raise RuntimeError(f"CI requires {MISSING}")
 pytestmark = pytest.mark.skipif(CXX is None or QEMU is None, reason=f"needs {MISSING}")
 
-SOURCES = sorted((ROOT / "csrc" / "cpu").glob("kernel*.cpp")) + [ROOT / "tests" / "cpu_kernels" / "check_kernels.cpp"]
+KERNELS = sorted((ROOT / "csrc" / "cpu").glob("kernel*.cpp"))
+# The entropy-coded layout's kernels have their own harness (check_rans_kernels.cpp).
+RANS_KERNELS = sorted((ROOT / "csrc" / "cpu").glob("rans_kernels_*.cpp"))
+HARNESSES = {"check_kernels": [], "check_rans_kernels": RANS_KERNELS}
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +42,19 @@ def harness(tmp_path_factory, terminal):
         assert r.returncode == 0, f"{src.name}:\n{r.stderr[-4000:]}"
         return obj
 
-    with terminal.step(f"cross-compiling {len(SOURCES)} files of the CPU kernels for aarch64"):
+    mains = [ROOT / "tests" / "cpu_kernels" / f"{name}.cpp" for name in HARNESSES]
+    sources = KERNELS + RANS_KERNELS + mains
+    with terminal.step(f"cross-compiling {len(sources)} files of the CPU kernels for aarch64"):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-            objects = list(pool.map(compile_one, SOURCES))
-        exe = out / "check_kernels"
-        r = subprocess.run([CXX, "-static", *map(str, objects), "-o", str(exe)], capture_output=True, text=True,
-                           timeout=300)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return exe
+            objects = dict(zip(sources, pool.map(compile_one, sources)))
+        exes = {}
+        for name, extra in HARNESSES.items():
+            exes[name] = out / name
+            parts = [objects[src] for src in KERNELS + extra + [ROOT / "tests" / "cpu_kernels" / f"{name}.cpp"]]
+            r = subprocess.run([CXX, "-static", *map(str, parts), "-o", str(exes[name])], capture_output=True,
+                               text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-4000:]
+    return exes
 
 
 @pytest.mark.parametrize("cpu, builds", [
@@ -54,11 +62,23 @@ def harness(tmp_path_factory, terminal):
     ("cortex-a72", ["generic"]),             # Armv8.0 NEON only: neon_bf16 must be skipped, not crash
 ])
 def test_aarch64_kernels_match_reference(harness, cpu, builds):
-    r = subprocess.run([QEMU, "-cpu", cpu, str(harness), "--expect-selected", builds[0]],
+    r = subprocess.run([QEMU, "-cpu", cpu, str(harness["check_kernels"]), "--expect-selected", builds[0]],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     for build in builds:
         assert f"PASS {build} " in r.stdout, r.stdout
     if "neon_bf16" not in builds:
         assert "SKIP neon_bf16: this CPU lacks bf16" in r.stdout, r.stdout
+    assert r.stdout.rstrip().endswith("OK")
+
+
+@pytest.mark.parametrize("cpu, builds", [("max", ["neon_bf16", "generic"]), ("cortex-a72", ["generic"])])
+def test_aarch64_rans_kernels_match_reference(harness, cpu, builds):
+    """The entropy-coded layout's kernels: decode exact, gemv / gemm_tile against float64,
+    corrupted streams reported, never a read past the words (a guard page)."""
+    r = subprocess.run([QEMU, "-cpu", cpu, str(harness["check_rans_kernels"])], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    for build in builds:
+        assert f"PASS {build} " in r.stdout, r.stdout
     assert r.stdout.rstrip().endswith("OK")

@@ -105,7 +105,7 @@ def skewed_codes(k, n, symbols, generator=None):
 
 
 def random_groups(k, n, weight_format, group_size):
-    groups = 1 if group_size == -1 else k // group_size
+    groups = 1 if group_size == -1 else -(-k // group_size)  # a short last group is allowed
     scales = (torch.rand(groups, n) * 0.02 + 0.001).half()
     zeros = (torch.rand(groups, n) * 15).half() if formats.has_zeros(weight_format) else None
     return scales, zeros
@@ -167,20 +167,24 @@ ROWS = [1, 3, 32, 128]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
 def test_lossless_gemm_equals_the_dense_op(weight_format, dtype):
-    """The same codes, scales and zeros through the dense op: the same result, bit for bit
-    (one thread: a K split over threads, used when N has few column blocks, sums in another order)."""
+    """The same codes, scales and zeros through the dense op: the same result, bit for bit,
+    whatever the thread count (lossless formats never split K over threads)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(4)  # more threads than the column blocks of N = 33, 45, 70
     try:
-        for k, n, group_size, chunk_k in [(320, 70, 64, 128), (256, 33, -1, 96), (512, 96, 128, 256)]:
+        # K = 100: a short last group (G = ceil(K / group_size)), which the dense layout pads with zero rows
+        for k, n, group_size, chunk_k in [(320, 70, 64, 128), (256, 33, -1, 96), (512, 96, 128, 256), (100, 45, 32, 64),
+                                          (100, 45, -1, 64)]:
             codes = skewed_codes(k, n, 16)
-            scales, zeros = random_groups(k, n, weight_format, group_size)
+            k_dense = formats.padded_in_features(k, group_size)
+            scales, zeros = random_groups(k_dense, n, weight_format, group_size)
             t = encode(codes.numpy(), chunk_k, 12, 16)
-            packed = tm.pack_codes(codes)
+            packed = tm.pack_codes(torch.cat([codes, torch.zeros(k_dense - k, n, dtype=codes.dtype)]))
             for m in ROWS:
                 x = torch.randn(m, k).to(dtype)
                 bias = torch.randn(n).to(dtype) if m % 2 else None
-                dense = torch.ops.marlin.gemm(x, packed, scales, zeros, bias, weight_format, group_size)
+                x_dense = torch.cat([x, torch.zeros(m, k_dense - k, dtype=dtype)], 1)
+                dense = torch.ops.marlin.gemm(x_dense, packed, scales, zeros, bias, weight_format, group_size)
                 y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, bias, weight_format, k, chunk_k, 12, group_size)
                 assert y.dtype == dtype and torch.equal(y, dense), (k, n, m, (y.float() - dense.float()).abs().max())
     finally:
@@ -192,7 +196,8 @@ def test_lossless_gemm_equals_the_dense_op(weight_format, dtype):
 def test_gemm_matches_float64_reference(weight_format, dtype):
     symbols = 256 if weight_format == "grid" else 16
     for m, k, n, group_size, chunk_k, prob_bits in [(1, 100, 45, -1, 64, 12), (3, 96, 70, 32, 32, 14),
-                                                     (32, 200, 33, -1, 96, 12), (128, 160, 64, 32, 64, 15)]:
+                                                     (32, 200, 33, -1, 96, 12), (128, 160, 64, 32, 64, 15),
+                                                     (2, 100, 40, 32, 64, 12), (17, 100, 40, 64, 64, 13)]:
         if weight_format == "grid":
             group_size = k
         codes = skewed_codes(k, n, symbols)
@@ -212,7 +217,7 @@ def test_gemm_matches_float64_reference(weight_format, dtype):
 @pytest.mark.parametrize("threads", [1, 3, 8])
 @pytest.mark.parametrize("weight_format", ["grid", "uint4"])
 def test_gemv_split_over_k_is_deterministic(weight_format, threads):
-    """Few column blocks: the GEMV splits K over threads and adds the parts in order."""
+    """Few column blocks: the grid's GEMV splits K over threads and adds the parts in order."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -241,9 +246,11 @@ def test_gemm_empty_batch():
 # --- bad input ------------------------------------------------------------------------
 
 def grid_case(k=200, n=70, chunk_k=64, prob_bits=12):
-    codes = skewed_codes(k, n, 256)
+    """The same case at every call (the bad-argument cases are built from one)."""
+    generator = torch.Generator().manual_seed(23)
+    codes = skewed_codes(k, n, 256, generator)
     words, offsets, states, freqs = encode(codes.numpy(), chunk_k, prob_bits, 256)
-    return dict(x=torch.randn(3, k), words=words, word_offsets=offsets, states=states, freqs=freqs,
+    return dict(x=torch.randn(3, k, generator=generator), words=words, word_offsets=offsets, states=states, freqs=freqs,
                 scales=torch.full((1, n), 0.01).half(), zeros=None, bias=None, weight_format="grid", K=k,
                 chunk_k=chunk_k, prob_bits=prob_bits, group_size=k)
 
@@ -315,7 +322,7 @@ def _bad_args():
         (dict(word_offsets=o.flip(0)), r"word_offsets\[0\] must be 0"),
         (dict(word_offsets=torch.cat([o[:2], o[1:2] - 1, o[3:]])), "word_offsets must not decrease"),
         (dict(word_offsets=o[:-1]), r"word_offsets must have shape \[chunks \+ 1\] = \[13\]"),
-        (dict(words=w[:-1]), r"word_offsets\[-1\] must equal words.numel\(\)"),
+        (dict(words=w[:-1]), r"word_offsets\[-1\] must be <= words.numel\(\) = \d+, got \d+ \(truncated words\?\)"),
         (dict(words=w.int()), "words must be int16"),
         (dict(states=low), r"states must be in \[2\^16, 2\^32\) as uint32, got 65535 at \[2, 5\]"),
         (dict(states=s[:, :16].contiguous()), r"states must have shape \[chunks, 32\] = \[12, 32\]"),
@@ -381,3 +388,37 @@ def test_kernel_build_matches_reference(build, child_pytest):
                                       [__file__, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
     assert returncode == 0, output[-6000:]
     assert " passed" in output and " failed" not in output
+
+
+# --- fake kernels, autograd, torch.compile (registered by torch_marlin/layouts/rans.py) ----
+
+@pytest.mark.parametrize("weight_format", ["uint4", "grid"])
+def test_opcheck(weight_format):
+    k, n, chunk_k = 96, 40, 32
+    symbols, group_size = (256, -1) if weight_format == "grid" else (16, 32)
+    codes = skewed_codes(k, n, symbols)
+    t = encode(codes.numpy(), chunk_k, 12, symbols)
+    scales, zeros = ((torch.rand(1, n) * 0.01).half(), None) if weight_format == "grid" else \
+        random_groups(k, n, weight_format, group_size)
+    for x in (torch.randn(3, k, requires_grad=True), torch.randn(2, 1, k).bfloat16()):
+        bias = torch.randn(n).to(x.dtype)
+        torch.library.opcheck(torch.ops.marlin.rans_gemm.default,
+                              (x, *t, scales, zeros, bias, weight_format, k, chunk_k, 12, group_size))
+    torch.library.opcheck(torch.ops.marlin.rans_decode.default, (*t, k, n, chunk_k, 12))
+
+
+def test_torch_compile_fullgraph():
+    k, n, chunk_k = 128, 70, 64
+    codes = skewed_codes(k, n, 256)
+    t = encode(codes.numpy(), chunk_k, 12, 256)
+    scales = (torch.rand(1, n) * 0.01).half()
+
+    def f(x):
+        return torch.nn.functional.gelu(torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12,
+                                                                   -1)) * 2
+
+    for rows in (1, 16):
+        x = torch.randn(rows, k)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=backend)(x), f(x))

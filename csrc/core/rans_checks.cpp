@@ -73,8 +73,8 @@ void check_rans_contents(const at::Tensor& words, const at::Tensor& word_offsets
   for (int64_t c = 0; c < s.chunks; ++c)
     TORCH_CHECK_VALUE(op[c + 1] >= op[c], "word_offsets must not decrease: word_offsets[", c + 1, "] = ", op[c + 1],
                       " < word_offsets[", c, "] = ", op[c]);
-  TORCH_CHECK_VALUE(op[s.chunks] == words.numel(), "word_offsets[-1] must equal words.numel() = ", words.numel(),
-                    ", got ", op[s.chunks], op[s.chunks] > words.numel() ? " (truncated words?)" : "");
+  TORCH_CHECK_VALUE(op[s.chunks] <= words.numel(), "word_offsets[-1] must be <= words.numel() = ", words.numel(),
+                    ", got ", op[s.chunks], " (truncated words?)");
   const uint32_t* sp = reinterpret_cast<const uint32_t*>(st.data_ptr<int32_t>());
   for (int64_t i = 0; i < st.numel(); ++i)
     TORCH_CHECK_VALUE(sp[i] >= kRansStateLow, "states must be in [2^16, 2^32) as uint32, got ", sp[i], " at [",
@@ -113,7 +113,11 @@ RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, cons
   } else {
     const WeightFormat format = parse_weight_format(weight_format);
     check_group_size(group_size);
-    r.groups = check_groups(format, K, scales, "scales", "the argument K", scales, zeros, weight_format, group_size);
+    // G = ceil(K / group_size): the last group may be short (K is not padded).
+    const int64_t rows = group_size == -1 ? K : group_size, k_groups = (K + rows - 1) / rows * rows;
+    r.groups = check_groups(format, k_groups, scales, "scales", "the argument K", scales, zeros, weight_format,
+                            group_size);
+    r.groups.k = K;
     TORCH_CHECK_VALUE(group_size == -1 || group_size == K || chunk_k % group_size == 0,
                       "chunk_k = ", chunk_k, " must be a multiple of group_size = ", group_size,
                       " (or group_size K or -1): a chunk holds whole groups");

@@ -38,18 +38,18 @@ RansShape check_rans_streams(const at::Tensor& words, const at::Tensor& word_off
                              const at::Tensor& freqs, int64_t K, int64_t N, int64_t chunk_k, int64_t prob_bits);
 
 // The contents (CPU tensors, or copied to the CPU): freqs sum to 2^prob_bits,
-// offsets start at 0, never decrease and end at words.numel(), every state in [2^16, 2^32).
+// offsets start at 0, never decrease and end at most at words.numel(), every state in [2^16, 2^32).
 void check_rans_contents(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
                          const at::Tensor& freqs, const RansShape& shape);
 
 // rans_gemm's weight: the streams plus the value kind. weight_format is a
 // value format name (lossless: 16 symbols, scales/zeros as the dense layout's
-// [K/group_size, N]) or "grid" (256 symbols, scales [1, N] = the step per
+// [ceil(K/group_size), N]: the last group may be short) or "grid" (256 symbols, scales [1, N] = the step per
 // column, zeros None, group_size K or -1).
 struct RansGemmShape {
   RansShape streams;
   bool grid;
-  QuantizedShape groups;  // format (grid: kFp4, a format without zeros), groups, group_rows
+  QuantizedShape groups;  // k = K, format (grid: kFp4, a format without zeros), groups, group_rows
 };
 
 RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& word_offsets,

@@ -20,6 +20,27 @@ constexpr int kRansPackedProbBits = 12;
 // Column blocks per work item of the fused GEMV (the op splits N along these).
 constexpr int64_t kRansGemvItemBlocks = 4;
 
+// Writes the slot table of freqs [symbols] (summing to 2^prob_bits, checked by
+// the caller) into table (2^prob_bits entries, twice that above kRansPackedProbBits).
+inline void build_rans_slot_table(const uint16_t* freqs, int symbols, int prob_bits, uint32_t* table) {
+  const uint32_t size = 1u << prob_bits;
+  uint32_t cum = 0;
+  for (int sym = 0; sym < symbols; ++sym) {
+    for (uint32_t j = 0; j < freqs[sym]; ++j) {
+      if (prob_bits <= kRansPackedProbBits) {
+        table[cum + j] = uint32_t(sym) | j << 8 | (freqs[sym] - 1u) << 20;
+      } else {
+        table[cum + j] = freqs[sym] | j << 16;
+        table[size + cum + j] = uint32_t(sym);
+      }
+    }
+    cum += freqs[sym];
+  }
+}
+inline int64_t rans_slot_table_size(int prob_bits) {
+  return (int64_t(1) << prob_bits) * (prob_bits <= kRansPackedProbBits ? 1 : 2);
+}
+
 struct RansArgs {
   const uint16_t* words;        // [W]: the chunks' 16-bit words, one after another
   const int32_t* word_offsets;  // [chunks + 1]

@@ -4,6 +4,7 @@
 // the dense op runs (TORCH_MARLIN_CPU_KERNELS included).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -31,22 +32,9 @@ const RansKernels& rans_kernels() {
 
 // The slot table of rans_kernel_args.h from freqs (checked: they sum to 2^prob_bits).
 std::vector<uint32_t> slot_table(const at::Tensor& freqs, const RansShape& s) {
-  const uint16_t* f = reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>());
-  const uint32_t size = 1u << s.prob_bits;
-  const bool packed = s.prob_bits <= kRansPackedProbBits;
-  std::vector<uint32_t> table(packed ? size : 2 * size);
-  uint32_t cum = 0;
-  for (int64_t sym = 0; sym < s.symbols; ++sym) {
-    for (uint32_t j = 0; j < f[sym]; ++j) {
-      if (packed) {
-        table[cum + j] = uint32_t(sym) | j << 8 | (f[sym] - 1u) << 20;
-      } else {
-        table[cum + j] = f[sym] | j << 16;
-        table[size + cum + j] = uint32_t(sym);
-      }
-    }
-    cum += f[sym];
-  }
+  std::vector<uint32_t> table(rans_slot_table_size(int(s.prob_bits)));
+  build_rans_slot_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()), int(s.symbols),
+                        int(s.prob_bits), table.data());
   return table;
 }
 
@@ -88,16 +76,15 @@ at::Tensor rans_decode_cpu(const at::Tensor& words, const at::Tensor& word_offse
 }
 
 // The fused GEMV for m <= kGemvMaxRows rows into out [m, N]: work items are
-// kRansGemvItemBlocks column blocks, and when there are fewer items than
-// threads also ranges of K chunks, whose partial sums are added in order
-// (deterministic). A range must hold whole groups of a format with zeros (its
-// zero term is per group).
+// kRansGemvItemBlocks column blocks. For the grid, when there are fewer items
+// than threads, also ranges of K chunks, whose partial sums are added in order
+// (deterministic for a thread count). Lossless formats never split K: their
+// sums keep the dense op's order, so the results equal its results.
 uint32_t rans_gemv_all(const RansKernels& kern, const RansArgs& a, const RansGemmShape& r, int64_t m, float* out) {
   const RansShape& s = r.streams;
   const int64_t threads = at::get_num_threads();
   const int64_t items = (s.blocks + kRansGemvItemBlocks - 1) / kRansGemvItemBlocks;
-  const bool may_split = !has_zeros(r.groups.format) || r.groups.group_rows <= s.chunk_k;
-  const int64_t parts = may_split && items < threads ? std::min(s.kchunks, (threads + items - 1) / items) : 1;
+  const int64_t parts = r.grid && items < threads ? std::min(s.kchunks, (threads + items - 1) / items) : 1;
   const int64_t ld = s.blocks * kRansLanes;  // padded columns
   std::vector<float> partial(parts * m * ld);
   std::atomic<uint32_t> bad{0};
@@ -161,7 +148,16 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
     g.format = int(r.groups.format);
     at::Tensor xsum;  // the zero point's (or bias's) term per group, as the dense op sums it
     if (has_zeros(r.groups.format)) {
-      xsum = x2.view({m, g.groups, g.group_rows}).sum(-1, false, at::kFloat).contiguous();
+      // x padded with zeros as the dense layout pads it (to whole groups, or to a
+      // multiple of 8 for one group), so that these sums equal the dense op's.
+      const int64_t k_dense = group_size == -1 ? (K + kPackFactor - 1) / kPackFactor * kPackFactor
+                                               : g.groups * g.group_rows;
+      at::Tensor xg = x2;
+      if (K != k_dense) {
+        xg = at::zeros({m, k_dense}, x2.options());
+        xg.narrow(1, 0, K).copy_(x2);
+      }
+      xsum = xg.view({m, g.groups, k_dense / g.groups}).sum(-1, false, at::kFloat).contiguous();
       g.xsum = xsum.data_ptr<float>();
     }
     if (m <= kGemvMaxRows) {

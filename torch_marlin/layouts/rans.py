@@ -58,7 +58,10 @@ def dense_from_symbols(symbols: torch.Tensor, scales: torch.Tensor, zeros: Optio
         return (symbols.to(dtype) - rans.GRID_OFFSET) * scales.to(dtype)
     rows = k if group_size == -1 else group_size
     per_row = lambda t: None if t is None else t.to(dtype).repeat_interleave(rows, dim=0)[:k]
-    values = formats.code_values(symbols, weight_format).to(dtype)
+    # A table made here, not the descriptor's cached tensor: rans_gemm's backward runs this
+    # under fake tensors when traced (opcheck, torch.compile), where a real tensor cannot be indexed.
+    table = torch.tensor(formats.value_format(weight_format).values.tolist(), device=symbols.device)
+    values = table[symbols.long()].to(dtype)
     return formats.value_format(weight_format).weights(values, per_row(scales), per_row(zeros))
 
 

@@ -1,0 +1,313 @@
+// Standalone check of the entropy-coded layout's CPU kernels (csrc/cpu/rans_*)
+// in every build this CPU runs, without torch, so that the aarch64 builds can
+// run under qemu (tests/test_cpu_kernels_aarch64.py). Streams come from the
+// spec's reference encoder written here (docs/FORMAT.md); decode_chunk must
+// give the codes back exactly, gemv and gemm_tile must match a float64
+// dequantize-then-matmul, and a flipped or missing word must be reported by
+// every entry point (never a read past the chunk: the words end at a page
+// that may not be read). Prints "PASS <build>" / "SKIP <build>: why"; exit 1 on a mismatch.
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <string>
+#include <vector>
+
+#include "cpu/kernel_builds.h"
+#include "cpu/rans_kernel_args.h"
+
+using namespace marlin::cpu;
+
+namespace {
+
+uint64_t rng_state = 0x2545F4914F6CDD1Dull;
+uint32_t next_u32() {  // xorshift64*
+  rng_state ^= rng_state >> 12;
+  rng_state ^= rng_state << 25;
+  rng_state ^= rng_state >> 27;
+  return uint32_t((rng_state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+double uniform() { return next_u32() / 4294967296.0; }
+
+const RansKernels* rans_build(const std::string& name) {
+  for (const RansKernels* k : {&avx512_bf16::rans_kernels, &avx512::rans_kernels, &avx2::rans_kernels,
+                               &neon_bf16::rans_kernels, &generic::rans_kernels})
+    if (k->name && name == k->name) return k;
+  return nullptr;
+}
+
+double half_value(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
+  const double magnitude = exp == 0 ? ldexp(mant, -24) : ldexp(1024 + mant, exp - 25);
+  return sign ? -magnitude : magnitude;
+}
+uint16_t half_bits(double v) {  // for the small positive scales used here: normal fp16, truncated
+  int e;
+  const double m = frexp(v, &e);  // v = m 2^e, m in [0.5, 1)
+  return uint16_t(((e - 1 + 15) << 10) | (int(m * 2048) & 1023));
+}
+uint16_t bf16_of(float f) {  // round to nearest even
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+float bf16_value(uint16_t b) {
+  const uint32_t u = uint32_t(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// A code's value before the scale, from docs/FORMAT.md (grid: s - 128).
+double value_of(int kind, int s) {
+  if (kind == kRansGrid) return s - 128;
+  switch (kind) {
+    case marlin::kFp4: {
+      const int e = (s >> 1) & 3, m = s & 1;
+      const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
+      return s & 8 ? -magnitude : magnitude;
+    }
+    case marlin::kInt4: return s - 8.0;
+    case marlin::kNf4: return marlin::kNf4Values[s];
+    default: return s;  // uint4, affine: q
+  }
+}
+
+struct Streams {
+  std::vector<uint16_t> words;
+  std::vector<int32_t> offsets;
+  std::vector<uint32_t> states;
+  std::vector<uint16_t> freqs;
+};
+
+// The spec's encoder: per chunk, lanes from 2^16; t = len-1..0, l = 31..0.
+Streams encode(const std::vector<int>& codes, int64_t k, int64_t n, int64_t chunk_k, int prob_bits, int symbols) {
+  Streams st;
+  std::vector<int64_t> counts(symbols, 0);
+  for (int c : codes) ++counts[c];
+  const int64_t m = int64_t(1) << prob_bits;
+  st.freqs.assign(symbols, 0);
+  int64_t total = 0, top = 0;
+  for (int s = 0; s < symbols; ++s) {
+    if (counts[s]) st.freqs[s] = uint16_t(std::max<int64_t>(1, counts[s] * m / int64_t(codes.size())));
+    total += st.freqs[s];
+    if (st.freqs[s] > st.freqs[top]) top = s;
+  }
+  st.freqs[top] = uint16_t(st.freqs[top] + (m - total));
+  std::vector<uint32_t> cum(symbols + 1, 0);
+  for (int s = 0; s < symbols; ++s) cum[s + 1] = cum[s] + st.freqs[s];
+  const int64_t blocks = (n + 31) / 32, kchunks = (k + chunk_k - 1) / chunk_k;
+  st.offsets.push_back(0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int64_t c = 0; c < kchunks; ++c) {
+      const int64_t k0 = c * chunk_k, k1 = std::min(k, k0 + chunk_k);
+      uint64_t x[32];
+      for (auto& v : x) v = 1u << 16;
+      std::vector<uint16_t> emitted;
+      for (int64_t t = k1 - 1; t >= k0; --t) {
+        for (int l = 31; l >= 0; --l) {
+          const int64_t col = b * 32 + l;
+          const int s = col < n ? codes[t * n + col] : int(top);  // pad columns: the most frequent symbol
+          const uint64_t f = st.freqs[s];
+          if (x[l] >= f << (32 - prob_bits)) {
+            emitted.push_back(uint16_t(x[l] & 0xFFFF));
+            x[l] >>= 16;
+          }
+          x[l] = ((x[l] / f) << prob_bits) + x[l] % f + cum[s];
+        }
+      }
+      st.words.insert(st.words.end(), emitted.rbegin(), emitted.rend());
+      st.offsets.push_back(int32_t(st.words.size()));
+      for (uint64_t v : x) st.states.push_back(uint32_t(v));
+    }
+  }
+  return st;
+}
+
+struct Case {
+  int kind, prob_bits;
+  int64_t m, k, n, chunk_k, group_size;  // group_size -1: one group
+};
+
+int failures = 0;
+void fail(const std::string& what) {
+  if (failures++ < 20) printf("FAIL %s\n", what.c_str());
+}
+
+// One case in one build: decode, gemv (m <= 8) or gemm_tile, and the corruption reports.
+void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, const Case& cs) {
+  const int symbols = cs.kind == kRansGrid ? 256 : 16;
+  const int64_t k = cs.k, n = cs.n, m = cs.m;
+  const int64_t rows = cs.group_size == -1 ? k : cs.group_size, groups = k / rows;
+  const bool zeros = cs.kind != kRansGrid && marlin::has_zeros(marlin::WeightFormat(cs.kind));
+  std::vector<int> codes(k * n);
+  for (int& c : codes) {  // peaked around the middle, every symbol possible
+    const double u = uniform() + uniform() + uniform() - 1.5;
+    c = std::min(symbols - 1, std::max(0, int(symbols / 2 + u * symbols / 5)));
+  }
+  std::vector<uint16_t> scales(groups * n), zero(groups * n);
+  for (auto& s : scales) s = half_bits(0.001 + 0.02 * uniform());
+  for (auto& z : zero) z = half_bits(0.5 + 14 * uniform());
+  Streams st = encode(codes, k, n, cs.chunk_k, cs.prob_bits, symbols);
+  std::vector<uint32_t> table(rans_slot_table_size(cs.prob_bits));
+  build_rans_slot_table(st.freqs.data(), symbols, cs.prob_bits, table.data());
+  // The words end where a page that may not be read begins: a read past them faults.
+  const size_t page = size_t(sysconf(_SC_PAGESIZE)), bytes = st.words.size() * 2;
+  const size_t mapped = (bytes + page - 1) / page * page + page;
+  char* base = (char*)mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED || mprotect(base + mapped - page, page, PROT_NONE)) {
+    fail("mmap");
+    return;
+  }
+  uint16_t* words = (uint16_t*)(base + mapped - page - bytes);
+  memcpy(words, st.words.data(), bytes);
+  struct Unmap {
+    char* p;
+    size_t n;
+    ~Unmap() { munmap(p, n); }
+  } unmap{base, mapped};
+
+  RansArgs a{};
+  a.words = words;
+  a.word_offsets = st.offsets.data();
+  a.states = st.states.data();
+  a.table = table.data();
+  a.prob_bits = cs.prob_bits;
+  a.kind = cs.kind;
+  a.k = k;
+  a.n = n;
+  a.chunk_k = cs.chunk_k;
+  a.kchunks = (k + cs.chunk_k - 1) / cs.chunk_k;
+  a.blocks = (n + 31) / 32;
+  const int64_t chunks = a.blocks * a.kchunks;
+  char what[200];
+  snprintf(what, sizeof(what), "%s kind=%d p=%d m=%lld k=%lld n=%lld chunk_k=%lld g=%lld x=%s", name.c_str(), cs.kind,
+           cs.prob_bits, (long long)m, (long long)k, (long long)n, (long long)cs.chunk_k, (long long)cs.group_size,
+           bf16_x ? "bf16" : "fp32");
+
+  std::vector<uint8_t> decoded(k * n);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c / a.kchunks * 32, k0 = c % a.kchunks * cs.chunk_k;
+    if (kern.decode_chunk(a, c, decoded.data() + k0 * n + n0, n, std::min<int64_t>(32, n - n0)))
+      fail(std::string(what) + ": decode reports a good chunk bad");
+  }
+  for (int64_t i = 0; i < k * n; ++i)
+    if (decoded[i] != codes[i]) {
+      fail(std::string(what) + ": decode differs at " + std::to_string(i));
+      break;
+    }
+
+  std::vector<float> x(m * k), xsum(m * groups, 0.f);
+  std::vector<uint16_t> xb(m * k);
+  for (int64_t i = 0; i < m * k; ++i) {
+    xb[i] = bf16_of(float(uniform() * 2 - 1));
+    x[i] = bf16_value(xb[i]);  // the same numbers either way
+  }
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < k; ++j) xsum[i * groups + j / rows] += x[i * k + j];
+  a.gemm.x = bf16_x ? nullptr : x.data();
+  a.gemm.x_bf16 = bf16_x ? xb.data() : nullptr;
+  a.gemm.xsum = zeros ? xsum.data() : nullptr;
+  a.gemm.scales = scales.data();
+  a.gemm.zeros = zeros ? zero.data() : nullptr;
+  a.gemm.m = m;
+  a.gemm.k = k;
+  a.gemm.n = n;
+  a.gemm.groups = groups;
+  a.gemm.group_rows = rows;
+  a.gemm.format = cs.kind == kRansGrid ? int(marlin::kFp4) : cs.kind;
+  std::vector<float> out(m * n);
+  a.gemm.out = out.data();
+  const int64_t ld = a.blocks * 32;
+  std::vector<float> part(m * ld);
+  auto run = [&]() -> uint32_t {
+    if (m <= kGemvMaxRows) {
+      const uint32_t bad = kern.gemv(a, 0, m, 0, a.blocks, 0, a.kchunks, part.data(), ld);
+      for (int64_t i = 0; i < m; ++i) memcpy(out.data() + i * n, part.data() + i * ld, n * sizeof(float));
+      return bad;
+    }
+    std::vector<float> scratch(gemm_scratch_floats(m));
+    uint32_t bad = 0;
+    for (int64_t nb = 0; nb < n; nb += kGemmBlockCols) bad |= kern.gemm_tile(a, 0, m, nb, scratch.data());
+    return bad;
+  };
+  if (run()) fail(std::string(what) + ": gemm reports a good stream bad");
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0, magnitude = 0;
+      for (int64_t r = 0; r < k; ++r) {
+        const int64_t g = r / rows;
+        const double s = half_value(scales[g * n + j]), z = half_value(zero[g * n + j]);
+        const double v = value_of(cs.kind, codes[r * n + j]);
+        double w = v * s;
+        if (zeros) w = cs.kind == marlin::kAffine ? v * s + z : (v - z) * s;
+        ref += double(x[i * k + r]) * w;
+        magnitude += fabs(double(x[i * k + r]) * w);
+      }
+      if (!(fabs(out[i * n + j] - ref) <= 1e-5 * magnitude + 1e-30)) {
+        fail(std::string(what) + ": gemm out[" + std::to_string(i) + ", " + std::to_string(j) + "] = " +
+             std::to_string(out[i * n + j]) + ", expected " + std::to_string(ref));
+        return;
+      }
+    }
+  }
+
+  // Corruptions: a bit flipped in one chunk's words, then the last chunk cut short.
+  const int64_t c = chunks / 2, w0 = st.offsets[c], w1 = st.offsets[c + 1];
+  if (w1 > w0) {
+    words[(w0 + w1) / 2] ^= 1 << 3;
+    if (!kern.decode_chunk(a, c, decoded.data(), n, 1)) fail(std::string(what) + ": a flipped word went unreported by decode");
+    if (!run()) fail(std::string(what) + ": a flipped word went unreported by gemm");
+    words[(w0 + w1) / 2] ^= 1 << 3;
+  }
+  if (st.words.size() >= 3) {
+    a.words = words + 3;  // every chunk's words shift by 3: the stream still ends at the guard page
+    for (int64_t i = 0; i <= chunks; ++i) st.offsets[i] = std::max(0, st.offsets[i] - 3);
+    if (!run()) fail(std::string(what) + ": a truncated stream went unreported");
+  }
+}
+
+}  // namespace
+
+int main() {
+  std::vector<Case> cases;
+  for (int kind : {int(marlin::kFp4), int(marlin::kUint4), int(marlin::kInt4), int(marlin::kNf4),
+                   int(marlin::kAffine), kRansGrid}) {
+    const bool grid = kind == kRansGrid;
+    cases.push_back({kind, 12, 1, 200, 70, 64, grid ? -1 : -1});
+    cases.push_back({kind, 12, 2, 192, 70, 64, grid ? -1 : 32});
+    cases.push_back({kind, 14, 3, 256, 33, 96, grid ? -1 : 32});
+    cases.push_back({kind, 12, 8, 128, 96, 128, -1});
+    cases.push_back({kind, 15, 17, 320, 65, 128, grid ? -1 : 64});
+  }
+  for (const std::string& name : kernel_build_names()) {
+    const std::string why = unsupported_reason(name);
+    if (!why.empty()) {
+      printf("SKIP %s: %s\n", name.c_str(), why.c_str());
+      continue;
+    }
+    const RansKernels* kern = rans_build(name);
+    const int before = failures;
+    if (!kern) {
+      fail(name + ": no rans kernels");
+      continue;
+    }
+    int checked = 0;
+    for (const Case& cs : cases) {
+      for (bool bf16 : {false, true}) {
+        // As the op: bf16 x for builds with bf16 dot products, values exact in bf16, even K.
+        const bool exact = cs.kind == kRansGrid || marlin::values_exact_in_bf16(marlin::WeightFormat(cs.kind));
+        if (bf16 && !(find_kernel_build(name)->bf16_x && exact && cs.k % 2 == 0)) continue;
+        run_case(name, *kern, bf16, cs);
+        ++checked;
+      }
+    }
+    printf("%s %s (%d rans cases)\n", failures == before ? "PASS" : "FAIL", name.c_str(), checked);
+  }
+  printf("%s\n", failures ? "FAILED" : "OK");
+  return failures ? 1 : 0;
+}
