@@ -40,17 +40,17 @@ class QuantizedModule(nn.Module):
 
     def _init_weight(self, layout: Type[QuantizedLayout], in_features: int, out_features: int,
                      weight_format: str, group_size: int, device=None, **shape) -> None:
-        formats.check_weight_format(weight_format)
-        formats.check_group_size(group_size)
+        if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
+            raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
+        layout.check_arguments(weight_format, group_size)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not (isinstance(layout, type) and issubclass(layout, QuantizedLayout)):
-            raise TypeError(f"layout must be a QuantizedLayout class, got {layout!r}")
         self.in_features, self.out_features = in_features, out_features
         self.weight_format, self.group_size = weight_format, group_size
         self.layout = layout
         empty = layout.empty(in_features, out_features, weight_format, group_size, device=device, **shape)
+        self._layout_options = empty.options()
         for name in layout.TENSORS:
             self.register_buffer(name, getattr(empty, name))
 
@@ -62,7 +62,15 @@ class QuantizedModule(nn.Module):
         """The weight as its layout object, sharing this module's buffers."""
         return self.layout(**{name: self._buffers[name] for name in self.layout.TENSORS},
                            weight_format=self.weight_format, group_size=self.group_size,
-                           in_features=self.in_features, out_features=self.out_features)
+                           in_features=self.in_features, out_features=self.out_features,
+                           **getattr(self, "_layout_options", {}))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in self.layout.VARIABLE_TENSORS:  # take the saved stream's length
+            saved, mine = state_dict.get(prefix + name), self._buffers.get(name)
+            if isinstance(saved, torch.Tensor) and mine is not None and saved.shape != mine.shape:
+                self._buffers[name] = mine.new_empty(saved.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight W [..., out_features, in_features] as a dense tensor (computed in fp32,
@@ -129,10 +137,10 @@ class MarlinLinear(QuantizedModule):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  weight_format: str = "fp4", group_size: int = 128,
                  device=None, dtype=None, layout: Optional[Type[QuantizedLayout]] = None,
-                 sparsity: Optional[str] = None) -> None:
+                 sparsity: Optional[str] = None, **layout_options) -> None:
         super().__init__()
         self._init_weight(_choose_layout(layout, sparsity), in_features, out_features, weight_format, group_size,
-                          device=device)
+                          device=device, **layout_options)
         b = torch.zeros(out_features, dtype=dtype or torch.get_default_dtype(), device=device) if bias else None
         self.register_buffer("bias", b)
         self.register_load_state_dict_post_hook(_check_loaded_contents)
@@ -147,7 +155,7 @@ class MarlinLinear(QuantizedModule):
         device = next(iter(tensors.values())).device
         module = cls(qweight.in_features, qweight.out_features, bias is not None,
                      qweight.weight_format, qweight.group_size, device=device,
-                     dtype=None if bias is None else bias.dtype, layout=type(qweight))
+                     dtype=None if bias is None else bias.dtype, layout=type(qweight), **qweight.shape_options())
         module._copy_weight(qweight)
         if bias is not None:
             module.bias.copy_(bias.detach())

@@ -5,7 +5,8 @@ itself with base.register_layout."""
 from .base import QuantizedLayout, layout_by_code, layout_for_sparsity, register_layout
 from .dense import QuantizedWeight
 from .experts import QuantizedExperts
+from .rans import RansQuantizedWeight
 from .sparse24 import SparseQuantizedWeight
 
-__all__ = ["QuantizedExperts", "QuantizedLayout", "QuantizedWeight", "SparseQuantizedWeight", "layout_by_code",
+__all__ = ["QuantizedExperts", "QuantizedLayout", "QuantizedWeight", "RansQuantizedWeight", "SparseQuantizedWeight", "layout_by_code",
            "layout_for_sparsity", "register_layout"]

@@ -77,6 +77,9 @@ class QuantizedLayout:
     TENSORS: ClassVar[Tuple[str, ...]]  # tensor attributes, in state_dict order (None when absent)
     SPARSITY: ClassVar[Optional[str]] = None  # the `sparsity=` string that selects this layout ("2:4")
     FP16_TENSORS: ClassVar[Tuple[str, ...]] = ("scales", "zeros")  # stay fp16 under .half()/.to(dtype)
+    # Tensors whose length depends on the content (an entropy-coded stream): a module
+    # takes the length of the state_dict it loads.
+    VARIABLE_TENSORS: ClassVar[Tuple[str, ...]] = ()
 
     weight_format: str
     group_size: int
@@ -121,6 +124,20 @@ class QuantizedLayout:
     def descriptor_extra(self) -> List[int]:
         """Layout-specific integers appended to the state_dict descriptor."""
         return []
+
+    @classmethod
+    def check_arguments(cls, weight_format: str, group_size: int) -> None:
+        """Raise ValueError unless the layout takes this format and group size."""
+        formats.check_weight_format(weight_format)
+        formats.check_group_size(group_size)
+
+    def options(self) -> dict:
+        """Layout-specific constructor fields beyond the common ones (a module keeps them)."""
+        return {}
+
+    def shape_options(self) -> dict:
+        """What `empty` needs besides the common arguments to make tensors of this weight's shapes."""
+        return self.options()
 
     # --- generic ------------------------------------------------------------------
 
