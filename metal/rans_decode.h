@@ -37,20 +37,20 @@ using namespace metal;
 // scale unchanged).
 template <WeightFormat F>
 struct RansLossless {
-  static constexpr constant uint kSymbols = kRansLosslessSymbols;
+  static constexpr constant uint kSymbols = rans::kLosslessSymbols;
   static constexpr constant WeightFormat kParams = F;
   static float raw(uint s) { return float(MarlinFormat<F>::raw_pair(s, 0u).x); }
 };
 
 struct RansGrid {
-  static constexpr constant uint kSymbols = kRansGridSymbols;
+  static constexpr constant uint kSymbols = rans::kGridSymbols;
   static constexpr constant WeightFormat kParams = kInt4;
-  static float raw(uint s) { return float(int(s) - kRansGridOffset); }
+  static float raw(uint s) { return float(int(s) - rans::kGridOffset); }
 };
 
 struct RansTable {
   const threadgroup uint2* entries;  // [S]
-  const threadgroup uchar* buckets;  // [2^rans_bucket_bits(prob_bits)]
+  const threadgroup uchar* buckets;  // [2^rans::bucket_bits(prob_bits)]
   uint prob_bits, shift;             // shift: slot -> bucket
   uint last;                         // S - 1
 };
@@ -59,7 +59,7 @@ inline uint rans_freq(uint2 e) { return e.x & 0xFFFFu; }
 inline uint rans_cum(uint2 e) { return e.x >> 16; }
 
 // Builds the table of V's S symbols from freqs (uint16 [S]) into `mem`
-// (rans_table_bytes(S) bytes) with all `threads` threads of the threadgroup,
+// (rans::table_bytes(S) bytes) with all `threads` threads of the threadgroup,
 // then a threadgroup barrier. Simdgroup 0 makes the entries (a running prefix
 // sum), every thread then the buckets by binary search over the cums.
 // Corrupt freqs (validated at load, not here) give a wrong table, never an
@@ -71,7 +71,7 @@ inline RansTable rans_build_table(threadgroup uint2* mem, const device ushort* f
   threadgroup uchar* buckets = (threadgroup uchar*)(mem + S);
   if (sg == 0) {
     uint carry = 0;
-    for (uint base = 0; base < S; base += kRansLanes) {
+    for (uint base = 0; base < S; base += rans::kLanes) {
       const uint s = base + lane;
       const uint f = s < S ? uint(freqs[s]) : 0u;  // S = 16: half a simdgroup
       const uint cum = carry + simd_prefix_exclusive_sum(f);
@@ -80,7 +80,7 @@ inline RansTable rans_build_table(threadgroup uint2* mem, const device ushort* f
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint bucket_bits = uint(rans_bucket_bits(int(prob_bits)));
+  const uint bucket_bits = uint(rans::bucket_bits(int(prob_bits)));
   const uint shift = prob_bits - bucket_bits;
   for (uint b = tid; b < (1u << bucket_bits); b += threads) {
     // the last symbol whose cum is <= the bucket's first slot
@@ -111,7 +111,7 @@ struct RansChunk {
                          uint n_words, uint chunk, uint lane) {
     RansChunk c;
     c.words = words;
-    c.x = states[ulong(chunk) * kRansLanes + lane];
+    c.x = states[ulong(chunk) * rans::kLanes + lane];
     const int begin = word_offsets[chunk], end = word_offsets[chunk + 1];
     c.bad = !(begin >= 0 && begin <= end && uint(end) <= n_words);
     c.ptr = c.bad ? 0u : uint(begin);
@@ -127,7 +127,7 @@ struct RansChunk {
     e = t.entries[s];
     while (slot - rans_cum(e) >= rans_freq(e) && s < t.last) e = t.entries[++s];  // only if the bucket holds > 1 symbol
     x = rans_freq(e) * (x >> t.prob_bits) + slot - rans_cum(e);
-    const uint need = x < kRansStateLow ? 1u : 0u;
+    const uint need = x < rans::kStateLow ? 1u : 0u;
     const uint i = ptr + simd_prefix_exclusive_sum(need);
     if (need != 0) {
       const bool in_chunk = i < end;
@@ -139,7 +139,7 @@ struct RansChunk {
   }
 
   // After the chunk's last step: whether the chunk is bad (the same in every lane).
-  bool finish() const { return simd_any(bad || x != kRansStateLow || ptr != end); }
+  bool finish() const { return simd_any(bad || x != rans::kStateLow || ptr != end); }
 };
 
 // A chunk's place: column block b, K chunk c, K rows [k0, k0 + len).
@@ -158,7 +158,7 @@ inline RansChunkPos rans_chunk_pos(uint chunk, uint K, uint chunk_k) {
 }
 
 // Decode kernel: symbols [K, N] (uint8). Threadgroup g holds chunks
-// kRansChunkSimdgroups g .. + kRansChunkSimdgroups - 1, round-robin over the
+// rans::kChunkSimdgroups g .. + rans::kChunkSimdgroups - 1, round-robin over the
 // simdgroups it gets (the bridge may launch fewer). A bad chunk's symbols are
 // all 0xFF (outside a 16-symbol alphabet; the op cannot write NaN into uint8).
 template <typename V>
@@ -180,10 +180,10 @@ template <typename V>
                             uint nsg [[simdgroups_per_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
   const RansTable table = rans_build_table<V>(table_mem, freqs, prob_bits, tid, nsg * kSimdWidth, sg, lane);
-  const uint first = tgid.x * kRansChunkSimdgroups, last = min(n_chunks, first + kRansChunkSimdgroups);
+  const uint first = tgid.x * rans::kChunkSimdgroups, last = min(n_chunks, first + rans::kChunkSimdgroups);
   for (uint chunk = first + sg; chunk < last; chunk += nsg) {
     const RansChunkPos pos = rans_chunk_pos(chunk, K, chunk_k);
-    const uint n = pos.b * kRansLanes + lane;
+    const uint n = pos.b * rans::kLanes + lane;
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, chunk, lane);
     device uchar* o = out + ulong(pos.k0) * N + n;
     for (uint t = 0; t < pos.len; ++t, o += N) {

@@ -1,10 +1,10 @@
-// rANS GEMM (M > kRansGemvMaxRows): each weight tile is decoded once into
-// threadgroup memory and reused by all kRansGemmTileM rows of the tile through
+// rANS GEMM (M > rans::kGemvMaxRows): each weight tile is decoded once into
+// threadgroup memory and reused by all rans::kGemmTileM rows of the tile through
 // simdgroup_matrix multiplies (the decode costs per weight what the GEMV's
 // does, divided by the rows; docs/KERNELS.md counts it).
 //
-// A threadgroup of kRansGemmSimdgroups simdgroups owns a kRansGemmTileM x
-// kRansGemmTileN output tile: simdgroup s the column block b = 4 tgid.x + s
+// A threadgroup of rans::kGemmSimdgroups simdgroups owns a rans::kGemmTileM x
+// rans::kGemmTileN output tile: simdgroup s the column block b = 4 tgid.x + s
 // (32 columns, one chunk per K chunk). It steps through its slice of K chunks
 // kGemmTileK rows at a time; per stage
 //   1. all threads load the x tile [TM][kGemmTileK] (zero past M and past the
@@ -61,19 +61,19 @@ template <typename T, typename V>
                           uint tid [[thread_index_in_threadgroup]],
                           uint sg [[simdgroup_index_in_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint TM = kRansGemmTileM, TK = kGemmTileK, MF = TM / 8, NF = kRansLanes / 8;
-  constexpr uint XS = x_tile_stride(sizeof(T)), BS = kRansBtStride;
+  constexpr uint TM = rans::kGemmTileM, TK = kGemmTileK, MF = TM / 8, NF = rans::kLanes / 8;
+  constexpr uint XS = x_tile_stride(sizeof(T)), BS = rans::kBtStride;
   constexpr WeightFormat P = V::kParams;
-  threadgroup half* bt_all = (threadgroup half*)(mem + rans_table_bytes(V::kSymbols));
-  threadgroup T* x_tile = (threadgroup T*)(bt_all + kRansGemmSimdgroups * kRansLanes * BS);
-  threadgroup half* bt = bt_all + sg * kRansLanes * BS;  // this simdgroup's raw-value tile
+  threadgroup half* bt_all = (threadgroup half*)(mem + rans::table_bytes(V::kSymbols));
+  threadgroup T* x_tile = (threadgroup T*)(bt_all + rans::kGemmSimdgroups * rans::kLanes * BS);
+  threadgroup half* bt = bt_all + sg * rans::kLanes * BS;  // this simdgroup's raw-value tile
 
   const RansTable table =
       rans_build_table<V>((threadgroup uint2*)mem, freqs, prob_bits, tid, kGemmThreads, sg, lane);
   const MarlinLane l = marlin_lane(lane);
   const uint m0 = tgid.y * TM;
-  const uint n_blocks = (N + kRansLanes - 1) / kRansLanes, n_kchunks = (K + chunk_k - 1) / chunk_k;
-  const uint b = tgid.x * kRansGemmSimdgroups + sg;
+  const uint n_blocks = (N + rans::kLanes - 1) / rans::kLanes, n_kchunks = (K + chunk_k - 1) / chunk_k;
+  const uint b = tgid.x * rans::kGemmSimdgroups + sg;
   const bool active = b < n_blocks;  // uniform in the simdgroup
   const uint c_begin = tgid.z * split_chunks, c_end = min(n_kchunks, c_begin + split_chunks);
   const uint group_k = 8u * marlin_group_rows;  // 0: one group
@@ -107,7 +107,7 @@ template <typename T, typename V>
         const uint g = group_k == 0 ? 0u : (k0 + t0) / group_k;
         MarlinParams p[NF];
         for (uint j = 0; j < NF; ++j) {
-          const uint n = b * kRansLanes + 8 * j + l.row;
+          const uint n = b * rans::kLanes + 8 * j + l.row;
           p[j] = n < N ? marlin_load_params<P>(scales, zeros, g, n, N) : MarlinParams{0.0f, 0.0f};
         }
         for (uint kk = 0; kk < TK / 8; ++kk) {
@@ -135,6 +135,6 @@ template <typename T, typename V>
   for (uint j = 0; j < NF; ++j)
     for (uint i = 0; i < MF; ++i) {
       if (bad) marlin_set_elements(acc[j][i], float2(NAN));
-      marlin_store_fragment(out, acc[j][i], l, b * kRansLanes + 8 * j, m0 + 8 * i, true);
+      marlin_store_fragment(out, acc[j][i], l, b * rans::kLanes + 8 * j, m0 + 8 * i, true);
     }
 }

@@ -1,5 +1,5 @@
 // Fused rANS decode + GEMV: y[M, N] = x[M, K] @ W^T (+ bias) for M <=
-// kRansGemvMaxRows, W entropy-coded (metal/rans_decode.h). The dense weight is
+// rans::kGemvMaxRows, W entropy-coded (metal/rans_decode.h). The dense weight is
 // never written anywhere: each decoded symbol's raw value (from the table
 // entry the decode step loads anyway) is multiplied into per-lane fp32
 // accumulators right away.
@@ -45,15 +45,15 @@ template <typename T, typename V>
                           uint sg [[simdgroup_index_in_threadgroup]],
                           uint nsg [[simdgroups_per_threadgroup]],
                           uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint R = kRansGemvMaxRows;
+  constexpr uint R = rans::kGemvMaxRows;
   constexpr WeightFormat P = V::kParams;
   const RansTable table = rans_build_table<V>(table_mem, freqs, prob_bits, tid, nsg * kSimdWidth, sg, lane);
   // K rows per group: a power of two, or 0 for one group over all of K.
   const uint group_k = 8u * marlin_group_rows;
-  const uint first = tgid.x * kRansChunkSimdgroups, last = min(n_chunks, first + kRansChunkSimdgroups);
+  const uint first = tgid.x * rans::kChunkSimdgroups, last = min(n_chunks, first + rans::kChunkSimdgroups);
   for (uint chunk = first + sg; chunk < last; chunk += nsg) {
     const RansChunkPos pos = rans_chunk_pos(chunk, K, chunk_k);
-    const uint n = pos.b * kRansLanes + lane;
+    const uint n = pos.b * rans::kLanes + lane;
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, chunk, lane);
     float acc[R], raw[R], xsum[R];
     for (uint m = 0; m < R; ++m) acc[m] = raw[m] = xsum[m] = 0.0f;
