@@ -25,9 +25,10 @@ static_assert(kLanes == kSimdWidth, "one simdgroup decodes the 32 lanes of a chu
 // the float bits of the symbol's raw value), then one symbol byte per bucket
 // of 2^(prob_bits - kBucketBits) slots (the first symbol whose range meets
 // the bucket; a lane walks on from it when its slot lies past that symbol's
-// range, at most 2^(prob_bits - kBucketBits) - 1 steps). 2^11 buckets
-// keep the table at 4 KiB for 256 symbols whatever prob_bits is.
-MARLIN_CONSTEXPR int kBucketBits = 11;
+// range, at most 2^(prob_bits - kBucketBits) - 1 steps). 2^12 buckets: no
+// walk up to the default prob_bits 12, and 6 KiB for 256 symbols whatever
+// prob_bits is (the GEMM's tiles fit beside it in 16 KiB).
+MARLIN_CONSTEXPR int kBucketBits = 12;
 inline constexpr int bucket_bits(int prob_bits) {
   return prob_bits < kBucketBits ? prob_bits : kBucketBits;
 }

@@ -125,7 +125,8 @@ struct RansChunk {
     const uint slot = x & ((1u << t.prob_bits) - 1u);
     uint s = t.buckets[slot >> t.shift];
     e = t.entries[s];
-    while (slot - rans_cum(e) >= rans_freq(e) && s < t.last) e = t.entries[++s];  // only if the bucket holds > 1 symbol
+    if (t.shift != 0)  // uniform; with one slot per bucket, the bucket's symbol is the slot's
+      while (slot - rans_cum(e) >= rans_freq(e) && s < t.last) e = t.entries[++s];
     x = rans_freq(e) * (x >> t.prob_bits) + slot - rans_cum(e);
     const uint need = x < rans::kStateLow ? 1u : 0u;
     const uint i = ptr + simd_prefix_exclusive_sum(need);

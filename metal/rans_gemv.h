@@ -57,26 +57,28 @@ template <typename T, typename V>
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, chunk, lane);
     float acc[R], raw[R], xsum[R];
     for (uint m = 0; m < R; ++m) acc[m] = raw[m] = xsum[m] = 0.0f;
-    const device T* xk = x + pos.k0;
-    for (uint t = 0; t < pos.len; ++t, ++xk) {
-      uint2 e;
-      dec.next(table, e);
-      const float v = as_type<float>(e.y);
-      for (uint m = 0; m < R; ++m) {
-        if (m >= M) break;
-        const float xv = float(xk[ulong(m) * K]);
-        raw[m] = fma(v, xv, raw[m]);
-        if (has_zeros(P)) xsum[m] += xv;
-      }
-      // End of a group (chunks start on group boundaries) or of the chunk.
-      if ((group_k != 0 && (t + 1) % group_k == 0) || t + 1 == pos.len) {
-        const uint g = group_k == 0 ? 0u : (pos.k0 + t) / group_k;
-        const MarlinParams p = n < N ? marlin_load_params<P>(scales, zeros, g, n, N) : MarlinParams{0.0f, 0.0f};
+    // Groups of the chunk (chunks start on group boundaries): raw sums, then the group's params.
+    const uint step = group_k == 0 ? pos.len : group_k;
+    for (uint t0 = 0; t0 < pos.len; t0 += step) {
+      const device T* xk = x + pos.k0 + t0;
+      const uint t1 = min(pos.len, t0 + step);
+      for (uint t = t0; t < t1; ++t, ++xk) {
+        uint2 e;
+        dec.next(table, e);
+        const float v = as_type<float>(e.y);
         for (uint m = 0; m < R; ++m) {
           if (m >= M) break;
-          acc[m] = marlin_group_dot<P>(acc[m], raw[m], xsum[m], p.scale, p.zero);
-          raw[m] = xsum[m] = 0.0f;
+          const float xv = float(xk[ulong(m) * K]);
+          raw[m] = fma(v, xv, raw[m]);
+          if (has_zeros(P)) xsum[m] += xv;
         }
+      }
+      const uint g = group_k == 0 ? 0u : (pos.k0 + t0) / group_k;
+      const MarlinParams p = n < N ? marlin_load_params<P>(scales, zeros, g, n, N) : MarlinParams{0.0f, 0.0f};
+      for (uint m = 0; m < R; ++m) {
+        if (m >= M) break;
+        acc[m] = marlin_group_dot<P>(acc[m], raw[m], xsum[m], p.scale, p.zero);
+        raw[m] = xsum[m] = 0.0f;
       }
     }
     const bool bad = dec.finish();
