@@ -21,8 +21,8 @@ MARLIN_CONSTEXPR int kGridSymbols = 256;     // "grid": value = symbol - 128
 MARLIN_CONSTEXPR int kGridOffset = 128;
 static_assert(kLanes == kSimdWidth, "one simdgroup decodes the 32 lanes of a chunk in lockstep");
 
-// Decode table in threadgroup memory: per symbol a uint2 (freq | cum << 16,
-// the float bits of the symbol's raw value), then one symbol byte per bucket
+// Decode table in threadgroup memory: per symbol 8 bytes (freq, cum, the
+// symbol's raw value as half, 0: metal/rans_decode.h RansEntry), then one symbol byte per bucket
 // of 2^(prob_bits - kBucketBits) slots (the first symbol whose range meets
 // the bucket; a lane walks on from it when its slot lies past that symbol's
 // range, at most 2^(prob_bits - kBucketBits) - 1 steps). 2^12 buckets: no

@@ -9,9 +9,9 @@
 // contiguous words.
 //
 // Table (threadgroup memory, built by rans_build_table at kernel start): per
-// symbol a uint2 (freq | cum << 16, float bits of the symbol's raw value: the
-// value format's code value, or symbol - 128 for "grid"), then the bucket
-// bytes (metal/rans_common.h). A decode step: slot, bucket byte, entry (two
+// symbol a RansEntry (freq, cum, the symbol's raw value: the value format's
+// code value, or symbol - 128 for "grid"), then the bucket bytes
+// (metal/rans_common.h). A decode step: slot, bucket byte, entry (two
 // threadgroup loads), at most a few walks past symbols of the bucket, the
 // state update, the refill.
 //
@@ -48,15 +48,22 @@ struct RansGrid {
   static float raw(uint s) { return float(int(s) - rans::kGridOffset); }
 };
 
+// A symbol's table entry: (freq, cum, bits of its raw value as half, 0).
+// 16-bit fields: no shift or mask to unpack them (16-bit register halves are
+// instruction sources on Apple GPUs); the raw values of every format and of
+// the grid are exact in half.
+typedef ushort4 RansEntry;
+
 struct RansTable {
-  const threadgroup uint2* entries;  // [S]
+  const threadgroup RansEntry* entries;  // [S]
   const threadgroup uchar* buckets;  // [2^rans::bucket_bits(prob_bits)]
   uint prob_bits, shift;             // shift: slot -> bucket
   uint last;                         // S - 1
 };
 
-inline uint rans_freq(uint2 e) { return e.x & 0xFFFFu; }
-inline uint rans_cum(uint2 e) { return e.x >> 16; }
+inline uint rans_freq(RansEntry e) { return e.x; }
+inline uint rans_cum(RansEntry e) { return e.y; }
+inline half rans_raw(RansEntry e) { return as_type<half>(e.z); }
 
 // Builds the table of V's S symbols from freqs (uint16 [S]) into `mem`
 // (rans::table_bytes(S) bytes) with all `threads` threads of the threadgroup,
@@ -65,7 +72,7 @@ inline uint rans_cum(uint2 e) { return e.x >> 16; }
 // Corrupt freqs (validated at load, not here) give a wrong table, never an
 // access outside it.
 template <typename V>
-inline RansTable rans_build_table(threadgroup uint2* mem, const device ushort* freqs, uint prob_bits, uint tid,
+inline RansTable rans_build_table(threadgroup RansEntry* mem, const device ushort* freqs, uint prob_bits, uint tid,
                                   uint threads, uint sg, uint lane) {
   constexpr uint S = V::kSymbols;
   threadgroup uchar* buckets = (threadgroup uchar*)(mem + S);
@@ -75,7 +82,7 @@ inline RansTable rans_build_table(threadgroup uint2* mem, const device ushort* f
       const uint s = base + lane;
       const uint f = s < S ? uint(freqs[s]) : 0u;  // S = 16: half a simdgroup
       const uint cum = carry + simd_prefix_exclusive_sum(f);
-      if (s < S) mem[s] = uint2(f | (cum << 16), as_type<uint>(V::raw(s)));
+      if (s < S) mem[s] = RansEntry(ushort(f), ushort(cum), as_type<ushort>(half(V::raw(s))), 0);
       carry += simd_sum(f);
     }
   }
@@ -121,18 +128,24 @@ struct RansChunk {
 
   // One step: this lane's next symbol; its table entry in `e`. All 32 lanes
   // call it together (the refill hand-out is a simdgroup prefix sum).
-  uint next(thread const RansTable& t, thread uint2& e) {
+  uint next(thread const RansTable& t, thread RansEntry& e) {
     const uint slot = x & ((1u << t.prob_bits) - 1u);
-    uint s = t.buckets[slot >> t.shift];
-    e = t.entries[s];
-    if (t.shift != 0)  // uniform; with one slot per bucket, the bucket's symbol is the slot's
+    uint s;
+    if (t.shift == 0) {  // uniform; one slot per bucket: the bucket's symbol is the slot's
+      s = t.buckets[slot];
+      e = t.entries[s];
+    } else {
+      s = t.buckets[slot >> t.shift];
+      e = t.entries[s];
       while (slot - rans_cum(e) >= rans_freq(e) && s < t.last) e = t.entries[++s];
+    }
     x = rans_freq(e) * (x >> t.prob_bits) + slot - rans_cum(e);
     const uint need = x < rans::kStateLow ? 1u : 0u;
     const uint i = ptr + simd_prefix_exclusive_sum(need);
     if (need != 0) {
       const bool in_chunk = i < end;
-      x = (x << 16) | (in_chunk ? uint(words[i]) : 0u);
+      // x < 2^16: (x << 16) | word, assembled from two 16-bit halves
+      x = as_type<uint>(ushort2(in_chunk ? words[i] : ushort(0), ushort(x)));
       bad = bad || !in_chunk;
     }
     ptr += simd_sum(need);
@@ -174,7 +187,7 @@ template <typename V>
                             constant uint& prob_bits [[buffer(8)]],
                             constant uint& n_words [[buffer(9)]],
                             constant uint& n_chunks [[buffer(10)]],
-                            threadgroup uint2* table_mem [[threadgroup(0)]],
+                            threadgroup RansEntry* table_mem [[threadgroup(0)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
                             uint tid [[thread_index_in_threadgroup]],
                             uint sg [[simdgroup_index_in_threadgroup]],
@@ -188,7 +201,7 @@ template <typename V>
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, chunk, lane);
     device uchar* o = out + ulong(pos.k0) * N + n;
     for (uint t = 0; t < pos.len; ++t, o += N) {
-      uint2 e;
+      RansEntry e;
       const uint s = dec.next(table, e);
       if (n < N) *o = uchar(s);
     }

@@ -69,7 +69,7 @@ template <typename T, typename V>
   threadgroup half* bt = bt_all + sg * rans::kLanes * BS;  // this simdgroup's raw-value tile
 
   const RansTable table =
-      rans_build_table<V>((threadgroup uint2*)mem, freqs, prob_bits, tid, kGemmThreads, sg, lane);
+      rans_build_table<V>((threadgroup RansEntry*)mem, freqs, prob_bits, tid, kGemmThreads, sg, lane);
   const MarlinLane l = marlin_lane(lane);
   const uint m0 = tgid.y * TM;
   const uint n_blocks = (N + rans::kLanes - 1) / rans::kLanes, n_kchunks = (K + chunk_k - 1) / chunk_k;
@@ -95,9 +95,9 @@ template <typename T, typename V>
         for (uint u = 0; u < TK; ++u) {
           half r = 0.0h;
           if (t0 + u < len) {  // uniform: the chunk's last stage may be partial
-            uint2 e;
+            RansEntry e;
             dec.next(table, e);
-            r = half(as_type<float>(e.y));
+            r = rans_raw(e);
           }
           bt[lane * BS + u] = r;
         }

@@ -39,7 +39,7 @@ template <typename T, typename V>
                           constant uint& prob_bits [[buffer(14)]],
                           constant uint& n_words [[buffer(15)]],
                           constant uint& n_chunks [[buffer(16)]],
-                          threadgroup uint2* table_mem [[threadgroup(0)]],
+                          threadgroup RansEntry* table_mem [[threadgroup(0)]],
                           uint3 tgid [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
                           uint sg [[simdgroup_index_in_threadgroup]],
@@ -63,9 +63,9 @@ template <typename T, typename V>
       const device T* xk = x + pos.k0 + t0;
       const uint t1 = min(pos.len, t0 + step);
       for (uint t = t0; t < t1; ++t, ++xk) {
-        uint2 e;
+        RansEntry e;
         dec.next(table, e);
-        const float v = as_type<float>(e.y);
+        const float v = float(rans_raw(e));
         for (uint m = 0; m < R; ++m) {
           if (m >= M) break;
           const float xv = float(xk[ulong(m) * K]);
