@@ -106,6 +106,19 @@ TORCH_LIBRARY(marlin, m) {
                "(Tensor values, Tensor metadata, Tensor scales, Tensor? zeros, str weight_format, "
                "int group_size, ScalarType? dtype=None)",
                "Tensor");
+  // Entropy-coded layout (docs/FORMAT.md, issue 23): rANS streams of 32 lanes per
+  // column block and chunk_k rows per chunk. rans_decode gives the symbols uint8
+  // [K, N]; rans_gemm decodes fused into the matmul (the weight is never stored):
+  // weight_format is a value format (lossless: the dense op's result for the same
+  // codes, scales, zeros) or "grid" (value (s - 128) * scales[0, n]).
+  def_metal_op(m, "rans_decode",
+               "(Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, int K, int N, int chunk_k, "
+               "int prob_bits)",
+               "Tensor");
+  def_metal_op(m, "rans_gemm",
+               "(Tensor x, Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, Tensor scales, "
+               "Tensor? zeros, Tensor? bias, str weight_format, int K, int chunk_k, int prob_bits, int group_size)",
+               "Tensor");
   // Internal: the built-in quantizers of torch_marlin/quantize.py (CPU), dense and 2:4 (sparsity.py).
   m.def(
       "_quantize_weight(Tensor weight, str weight_format, int group_size, float[] clip_ratios, "

@@ -3,6 +3,9 @@
 #include <stdint.h>
 
 #include "marlin_common.h"  // WeightFormat, with_format
+#if MARLIN_KERNEL_RANS
+#include "cpu/rans_kernel_args.h"
+#endif
 
 namespace marlin {
 namespace cpu {
@@ -68,11 +71,19 @@ struct CpuKernels {
   extern const CpuKernels kernels;     \
   }
 
-// A build this architecture cannot run: an empty table.
+// A build this architecture cannot run: an empty table (of the entropy-coded
+// layout's kernels in csrc/cpu/rans_kernels_<isa>.cpp).
+#if MARLIN_KERNEL_RANS
+#define MARLIN_UNAVAILABLE_CPU_KERNELS(NS)          \
+  namespace marlin::cpu::NS {                      \
+  extern const RansKernels rans_kernels = {};      \
+  }
+#else
 #define MARLIN_UNAVAILABLE_CPU_KERNELS(NS)          \
   namespace marlin::cpu::NS {                      \
   extern const CpuKernels kernels = {};            \
   }
+#endif
 
 MARLIN_DECLARE_CPU_KERNELS(avx512_bf16)
 MARLIN_DECLARE_CPU_KERNELS(avx512)

@@ -29,6 +29,12 @@
 #ifndef MARLIN_KERNEL_BF16_DOT
 #define MARLIN_KERNEL_BF16_DOT 0
 #endif
+// MARLIN_KERNEL_RANS: instead of the dense and 2:4 entry points, the
+// entropy-coded layout's (csrc/cpu/rans_kernels_impl.h, its own table
+// rans_kernels), on the same pieces: csrc/cpu/rans_kernels_<isa>.cpp.
+#ifndef MARLIN_KERNEL_RANS
+#define MARLIN_KERNEL_RANS 0
+#endif
 #if MARLIN_KERNEL_AVX512
 // GCC 12's own _mm512_undefined_ps (`__m512 __Y = __Y;`) trips -Wmaybe-uninitialized
 // wherever an AVX-512 intrinsic using it is inlined (hundreds of false warnings); GCC 13 fixed it.
@@ -972,6 +978,7 @@ void gemm_tile_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, flo
   gemm_tile_impl<F>(a, m0, m1, nb, scratch);
 }
 
+#if !MARLIN_KERNEL_RANS
 void gemv(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   with_format(a.format, [&]<int F>() { gemv_format<F>(a, m0, m1, n0, n1); });
 }
@@ -988,14 +995,21 @@ void dequantize_rows(const GemmArgs& a, int64_t k0, int64_t k1, int64_t nb, floa
 
 // The 2:4 layout's kernels, on the pieces above.
 #include "cpu/sparse24_kernels_impl.h"
+#else
+#include "cpu/rans_kernels_impl.h"
+#endif
 
 }  // namespace
 
+#if MARLIN_KERNEL_RANS
+extern const RansKernels rans_kernels = {MARLIN_KERNEL_NAME, rans_gemv, rans_gemm_tile, rans_decode_chunk};
+#else
 extern const CpuKernels kernels = {MARLIN_KERNEL_NAME,     gemv,
                                    gemm_tile,              dequantize_rows,
                                    bool(MARLIN_KERNEL_BF16_DOT), sparse24_gemv,
                                    sparse24_gemm_tile,     sparse24_dequantize_rows,
                                    kSparseDot};
+#endif
 
 }  // namespace MARLIN_KERNEL_NS
 }  // namespace cpu

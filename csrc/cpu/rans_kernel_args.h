@@ -1,0 +1,70 @@
+// Plain-pointer arguments of the entropy-coded layout's CPU kernels
+// (csrc/cpu/rans_kernels_impl.h; the stream format in docs/FORMAT.md).
+#pragma once
+#include <stdint.h>
+
+#include "cpu/kernel_args.h"
+
+namespace marlin {
+namespace cpu {
+
+constexpr int kRansBlockCols = 32;  // lanes of a column block: one output column each
+constexpr int kRansGrid = 100;      // RansArgs::kind of weight_format "grid": value (s - 128) * step
+
+// The per-call slot table (rans_ops.cpp builds it from freqs): for every slot
+// of [0, 2^prob_bits), its symbol s, freq[s] and slot - cum[s]. Up to
+// kRansPackedProbBits one uint32 per slot, s | (slot - cum) << 8 | (freq - 1) << 20;
+// above, two arrays of 2^prob_bits uint32: freq | (slot - cum) << 16, then s.
+constexpr int kRansPackedProbBits = 12;
+
+// Column blocks per work item of the fused GEMV (the op splits N along these).
+constexpr int64_t kRansGemvItemBlocks = 4;
+
+struct RansArgs {
+  const uint16_t* words;        // [W]: the chunks' 16-bit words, one after another
+  const int32_t* word_offsets;  // [chunks + 1]
+  const uint32_t* states;       // [chunks, 32]: initial state of each lane
+  const uint32_t* table;        // the slot table
+  int prob_bits;
+  int kind;                     // a WeightFormat (lossless) or kRansGrid
+  int64_t k, n, chunk_k, kchunks, blocks;
+  // x (fp32; or x_bf16 for gemm_tile in builds with bf16_x), xsum, scales, zeros,
+  // out, m, groups, group_rows as for the dense kernels (packed unused).
+  GemmArgs gemm;
+};
+
+// One build of the kernels (the same instruction sets as CpuKernels). Each
+// returns nonzero if a chunk it decoded is not well formed (a read past its
+// words, words left over, or a final state other than 2^16; the op then
+// reports which chunk); the outputs of a bad chunk are garbage, never a read
+// outside its words.
+//   gemv(a, m0, m1, b0, b1, c0, c1, out, ldo)  out[0:m1-m0, 0:32 (b1-b0)] (row stride ldo) =
+//       x[m0:m1] @ W[K chunks c0:c1, column blocks b0:b1]; the weight is decoded in
+//       registers, never stored. Groups end with the range (c1 at a group end, or a
+//       format without zeros).
+//   gemm_tile(a, m0, m1, nb, scratch)    out[m0:m1, nb:nb+64] (a.gemm.out), every chunk of the
+//       two column blocks decoded once into cache-sized tiles reused for all rows
+//       (the dense gemm_tiles); scratch as gemm_scratch_floats(m1 - m0).
+//   decode_chunk(a, c, out, ldo, cols)   symbols of chunk c into out[0:rows, 0:cols] (uint8, its
+//       K rows from the chunk's first, row stride ldo).
+struct RansKernels {
+  const char* name;
+  uint32_t (*gemv)(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
+                   float* out, int64_t ldo);
+  uint32_t (*gemm_tile)(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
+  uint32_t (*decode_chunk)(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols);
+};
+
+#define MARLIN_DECLARE_RANS_KERNELS(NS) \
+  namespace NS {                        \
+  extern const RansKernels rans_kernels; \
+  }
+MARLIN_DECLARE_RANS_KERNELS(avx512_bf16)
+MARLIN_DECLARE_RANS_KERNELS(avx512)
+MARLIN_DECLARE_RANS_KERNELS(avx2)
+MARLIN_DECLARE_RANS_KERNELS(neon_bf16)
+MARLIN_DECLARE_RANS_KERNELS(generic)
+#undef MARLIN_DECLARE_RANS_KERNELS
+
+}  // namespace cpu
+}  // namespace marlin

@@ -1,0 +1,419 @@
+// The entropy-coded layout's CPU kernels (docs/FORMAT.md; entry points in
+// csrc/cpu/rans_kernel_args.h). Included by kernels_impl.h with
+// MARLIN_KERNEL_RANS (csrc/cpu/rans_kernels_<isa>.cpp), inside its anonymous
+// namespace, on its pieces: vectors, value formats (FormatDecode through
+// table_nibble), group_dot / group_weight, gemm_tiles and gemm_tiles_dot.
+//
+// The 32 lanes of a chunk decode in lockstep, kRansVectors vectors of kLanes:
+// per step each lane looks its slot up in the per-call slot table (a gather
+// on AVX2/AVX-512, one load per lane elsewhere), updates its state, and the
+// lanes whose state fell below 2^16 take the next words of the chunk's shared
+// stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a 256-entry table
+// of the 8-lane prefix sums; elsewhere one lane after the other). Lane l of
+// column block b is output column 32 b + l, so x[k] multiplies a whole vector
+// of decoded weights as one broadcast.
+
+#include "cpu/rans_kernel_args.h"
+
+constexpr int kRansVectors = kRansBlockCols / kLanes;
+constexpr uint32_t kRansLow = 1u << 16;
+
+// The decode state of one chunk's 32 lanes.
+struct RansLanes {
+  vu x[kRansVectors];
+  const uint16_t* ptr;  // next word of the chunk
+  const uint16_t* end;  // its end: never read at or past it
+  uint32_t bad;         // a lane wanted a word past the end
+};
+
+inline vu load_u(const uint32_t* p) {
+  vu v;
+  memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void store_u(uint32_t* p, vu v) { memcpy(p, &v, sizeof(v)); }
+
+inline void rans_start(const RansArgs& a, int64_t chunk, RansLanes& d) {
+  for (int v = 0; v < kRansVectors; ++v) d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
+  d.ptr = a.words + a.word_offsets[chunk];
+  d.end = a.words + a.word_offsets[chunk + 1];
+  d.bad = 0;
+}
+
+// Nonzero unless the chunk ended well formed: all words used, every lane at 2^16.
+inline uint32_t rans_finish(const RansLanes& d) {
+  uint32_t bad = d.bad | (d.ptr != d.end);
+  for (int v = 0; v < kRansVectors; ++v)
+    for (int l = 0; l < kLanes; ++l) bad |= d.x[v][l] != kRansLow;
+  return bad;
+}
+
+#if MARLIN_KERNEL_AVX2
+// kExpand8[m]: for each of 8 lanes, the number of lanes below it set in m
+// (its word's index among this step's refills), as bytes.
+struct Expand8Table {
+  uint64_t index[256];
+  constexpr Expand8Table() : index() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t packed = 0;
+      for (int l = 0, rank = 0; l < 8; ++l) {
+        packed |= uint64_t(rank) << (8 * l);
+        if (m >> l & 1) ++rank;
+      }
+      index[m] = packed;
+    }
+  }
+};
+constexpr Expand8Table kExpand8;
+#endif
+
+// Words for the lanes of `need` (lane order) into x = (x << 16) | word; at
+// most kLanes words are read, all of them before d.end.
+inline vu rans_refill(RansLanes& d, vu x) {
+#if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2
+  typedef uint16_t vw __attribute__((vector_size(2 * kLanes)));
+#if MARLIN_KERNEL_AVX512
+  const __mmask16 need = _mm512_cmplt_epu32_mask((__m512i)x, _mm512_set1_epi32(int(kRansLow)));
+#else
+  const unsigned need = __builtin_ia32_movmskps256((vf)((vi)(x >> 16) == 0));
+#endif
+  if (!need) return x;
+  int64_t count = __builtin_popcount(need);
+  const int64_t left = d.end - d.ptr;
+  vw words;
+  if (left >= kLanes) {
+    memcpy(&words, d.ptr, sizeof(words));
+  } else {  // the chunk's last words: never read past them
+    uint16_t tail[kLanes] = {};
+    memcpy(tail, d.ptr, left * sizeof(uint16_t));
+    memcpy(&words, tail, sizeof(words));
+    if (count > left) {
+      d.bad = 1;
+      count = left;
+    }
+  }
+  d.ptr += count;
+  const vu w = __builtin_convertvector(words, vu);
+#if MARLIN_KERNEL_AVX512
+  return (vu)_mm512_mask_or_epi32((__m512i)x, need, (__m512i)(x << 16), _mm512_maskz_expand_epi32(need, (__m512i)w));
+#else
+  typedef uint8_t vb __attribute__((vector_size(8)));
+  vb index;
+  memcpy(&index, &kExpand8.index[need], 8);
+  const vu expanded = (vu)__builtin_ia32_permvarsi256((vi)w, (vi)__builtin_convertvector(index, vu));
+  const vu refill = (vu)((vi)(x >> 16) == 0);
+  return (x & ~refill) | (((x << 16) | expanded) & refill);
+#endif
+#else
+  for (int l = 0; l < kLanes; ++l) {
+    if (x[l] >= kRansLow) continue;
+    if (d.ptr == d.end) {
+      d.bad = 1;
+      x[l] <<= 16;
+      continue;
+    }
+    x[l] = (x[l] << 16) | *d.ptr++;
+  }
+  return x;
+#endif
+}
+
+// table[index[l]] for each lane.
+inline vu rans_gather(const uint32_t* table, vu index) {
+#if MARLIN_KERNEL_AVX512
+  return (vu)_mm512_i32gather_epi32((__m512i)index, table, 4);
+#elif MARLIN_KERNEL_AVX2
+  return (vu)__builtin_ia32_gathersiv8si(vi{}, (const int*)table, (vi)index, vi{} - 1, 4);
+#else
+  vu e;
+  for (int l = 0; l < kLanes; ++l) e[l] = table[index[l]];
+  return e;
+#endif
+}
+
+// One step of every lane: sym[v] = the symbols of lanes v * kLanes ...
+template <bool Packed>
+inline void rans_step(RansLanes& d, const uint32_t* table, int prob_bits, vu* sym) {
+  const uint32_t mask = (1u << prob_bits) - 1;
+  for (int v = 0; v < kRansVectors; ++v) {
+    const vu x = d.x[v], slot = x & mask;
+    const vu e = rans_gather(table, slot);
+    vu freq, bias;
+    if constexpr (Packed) {
+      sym[v] = e & 0xFF;
+      bias = (e >> 8) & 0xFFF;
+      freq = (e >> 20) + 1;
+    } else {
+      freq = e & 0xFFFF;
+      bias = e >> 16;
+      sym[v] = rans_gather(table + (size_t(1) << prob_bits), slot);
+    }
+    d.x[v] = rans_refill(d, freq * (x >> prob_bits) + bias);
+  }
+}
+
+// The value of symbols before the scale: a lossless format's code value
+// (FormatDecode, the 16-entry table of every build) or the grid's s - 128.
+template <int Kind>
+inline vf rans_value(vu sym) {
+  if constexpr (Kind == kRansGrid)
+    return __builtin_convertvector((vi)sym - 128, vf);
+  else
+    return table_nibble<FormatDecode<Kind>>((vi)sym, 0);
+}
+
+// The value format whose zeros semantics apply (grid: none, as fp4).
+template <int Kind>
+constexpr int kRansFormat = Kind == kRansGrid ? int(kFp4) : Kind;
+
+// Scales (and zeros) of group g for `cols` columns from n0, zero-padded to `width`.
+template <int F>
+inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t cols, int width, float* scale,
+                       float* zero) {
+  copy_halves(scale, g.scales + group * g.n + n0, cols, width);
+  if (kHasZeros<F>) copy_halves(zero, g.zeros + group * g.n + n0, cols, width);
+}
+
+// ---------------------------------------------------------------------------
+// Fused GEMV: kRansGemvBlocks column blocks decode in lockstep (independent
+// state chains, so that one chain's gather and multiply latency hides behind
+// the others'); each symbol is decoded once in registers and multiplied into
+// MR rows. Per group the sums take the dense GEMV's order (x[k] * value in K
+// order, then group_dot), so the lossless results equal the dense op's bit for
+// bit. Dot: bf16 x as pairs, as the dense bf16 GEMV.
+
+constexpr int kRansGemvBlocks = 2;
+constexpr int kRansGemvVectors = kRansGemvBlocks * kRansVectors;
+
+template <int Kind, bool Packed, bool Dot, int MR>
+uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int blocks, int64_t c0, int64_t c1,
+                        float* out, int64_t ldo) {
+  constexpr int F = kRansFormat<Kind>;
+  constexpr int kCols = kRansGemvBlocks * kRansBlockCols;
+  const GemmArgs& g = a.gemm;
+  const int64_t n0 = b0 * kRansBlockCols, cols = a.n - n0 < kCols ? a.n - n0 : kCols;
+  // Rows past `rows` (up to MR) repeat the last one and are not stored.
+  int64_t row[MR];
+  for (int i = 0; i < MR; ++i) row[i] = m0 + (i < rows ? i : rows - 1);
+  alignas(64) float scale[kCols], zero[kCols];
+  vf acc[MR][kRansGemvVectors], part[MR][kRansGemvVectors];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < kRansGemvVectors; ++v) acc[i][v] = part[i][v] = vf{};
+  uint32_t bad = 0;
+  int64_t loaded = -1;
+  for (int64_t c = c0; c < c1; ++c) {
+    RansLanes d[kRansGemvBlocks];
+    for (int j = 0; j < blocks; ++j) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
+    const int64_t k_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
+    for (int64_t k = c * a.chunk_k; k < k_end;) {
+      const int64_t group = k / g.group_rows, group_end = (group + 1) * g.group_rows;
+      const int64_t seg_end = group_end < k_end ? group_end : k_end;
+      if (group != loaded) {
+        load_group<F>(g, group, n0, cols, kCols, scale, zero);
+        loaded = group;
+      }
+      for (; k < seg_end; k += Dot ? 2 : 1) {
+        vf value[kRansGemvVectors];
+        for (int j = 0; j < kRansGemvBlocks; ++j) {
+          vu sym[kRansVectors];
+          if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+          for (int v = 0; v < kRansVectors; ++v) value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+        }
+#if MARLIN_KERNEL_BF16_DOT
+        if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
+          for (int j = 0; j < kRansGemvBlocks; ++j) {
+            vu sym[kRansVectors];
+            if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+            for (int v = 0; v < kRansVectors; ++v) {
+              const vf second = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+              vf& first = value[j * kRansVectors + v];
+              first = (vf)(((vu)first >> 16) | ((vu)second & 0xFFFF0000u));
+            }
+          }
+          for (int i = 0; i < MR; ++i) {
+            const vf xs = splat_bits(g.x_bf16 + row[i] * a.k + k);
+            for (int v = 0; v < kRansGemvVectors; ++v) part[i][v] = dot_pairs(part[i][v], value[v], xs);
+          }
+          continue;
+        }
+#endif
+        for (int i = 0; i < MR; ++i) {
+          const vf xs = splat(g.x[row[i] * a.k + k]);
+          for (int v = 0; v < kRansGemvVectors; ++v) part[i][v] = fmadd(xs, value[v], part[i][v]);
+        }
+      }
+      if (seg_end == group_end || seg_end == a.k || c == c1 - 1) {  // the group (or this range's share) ends
+        for (int i = 0; i < MR; ++i) {
+          const vf xsum = kHasZeros<F> ? splat(g.xsum[row[i] * g.groups + group]) : vf{};
+          for (int v = 0; v < kRansGemvVectors; ++v) {
+            const vf z = kHasZeros<F> ? load(zero + v * kLanes) : vf{};
+            acc[i][v] = group_dot<F>(acc[i][v], part[i][v], xsum, load(scale + v * kLanes), z);
+            part[i][v] = vf{};
+          }
+        }
+      }
+    }
+    for (int j = 0; j < blocks; ++j) bad |= rans_finish(d[j]);
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int v = 0; v < blocks * kRansVectors; ++v) store(out + i * ldo + v * kLanes, acc[i][v]);
+  return bad;
+}
+
+// Up to 8 rows (kGemvMaxRows) share each decoded symbol: register blocks of
+// 1, 2, 4 or 8 rows (a block's spare rows repeat its last row).
+template <int Kind, bool Packed, bool Dot>
+uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
+                        float* out, int64_t ldo) {
+  uint32_t bad = 0;
+  for (int64_t b = b0; b < b1; b += kRansGemvBlocks) {
+    const int blocks = int(b1 - b < kRansGemvBlocks ? b1 - b : kRansGemvBlocks);
+    for (int64_t m = m0; m < m1; m += kMaxRows) {
+      const int rows = int(m1 - m < kMaxRows ? m1 - m : kMaxRows);
+      float* o = out + (m - m0) * ldo + (b - b0) * kRansBlockCols;
+      if (rows == 1)
+        bad |= rans_gemv_rows<Kind, Packed, Dot, 1>(a, m, rows, b, blocks, c0, c1, o, ldo);
+      else if (rows == 2)
+        bad |= rans_gemv_rows<Kind, Packed, Dot, 2>(a, m, rows, b, blocks, c0, c1, o, ldo);
+      else if (rows <= 4)
+        bad |= rans_gemv_rows<Kind, Packed, Dot, 4>(a, m, rows, b, blocks, c0, c1, o, ldo);
+      else
+        bad |= rans_gemv_rows<Kind, Packed, Dot, 8>(a, m, rows, b, blocks, c0, c1, o, ldo);
+    }
+  }
+  return bad;
+}
+
+// ---------------------------------------------------------------------------
+// Tiled GEMM: the dense gemm_tiles (or gemm_tiles_dot) on tiles that this
+// fill decodes from the chunks of column blocks nb / 32 and nb / 32 + 1, one
+// tile row after the other (the lanes' states carry over between tiles).
+
+template <int Kind, bool Packed, bool Dot>
+struct RansTileFill {
+  static constexpr int F = kRansFormat<Kind>;
+  static constexpr int kBlocks = kTileCols / kRansBlockCols;
+  const RansArgs& a;
+  int64_t nb;
+  int blocks;             // column blocks of the tile inside N (1 or 2)
+  RansLanes d[kBlocks];
+  int64_t chunk_end = 0;  // K row where the current chunk ends
+  int64_t group = -1;
+  uint32_t bad = 0;
+  alignas(64) float scale[kTileCols], zero[kTileCols];
+
+  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), nb(nb_) {
+    const int64_t b0 = nb / kRansBlockCols;
+    blocks = int(a.blocks - b0 < kBlocks ? a.blocks - b0 : kBlocks);
+  }
+
+  // The decoded values of the tile's columns at the next K row k.
+  void step(int64_t k, vf* values) {
+    if (k == chunk_end) {
+      const int64_t c = k / a.chunk_k;
+      for (int j = 0; j < blocks; ++j) {
+        if (c > 0) bad |= rans_finish(d[j]);
+        rans_start(a, (nb / kRansBlockCols + j) * a.kchunks + c, d[j]);
+      }
+      chunk_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
+    }
+    for (int j = 0; j < kBlocks; ++j) {
+      vu sym[kRansVectors];
+      if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+      for (int v = 0; v < kRansVectors; ++v) values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+    }
+  }
+
+  void operator()(int64_t k0, int64_t rows, float* tile) {
+    const GemmArgs& g = a.gemm;
+    const int64_t cols = a.n - nb < kTileCols ? a.n - nb : kTileCols;
+    vf values[kTileCols / kLanes];
+    for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
+      const int64_t k = k0 + r;
+      step(k, values);
+#if MARLIN_KERNEL_BF16_DOT
+      if constexpr (Dot) {  // pair row r / 2: K rows k, k + 1 (the scale is applied per group by gemm_tiles_dot)
+        vf second[kTileCols / kLanes];
+        step(k + 1, second);
+        for (int q = 0; q < kTileCols / kLanes; ++q)
+          store(tile + r / 2 * kTileCols + q * kLanes,
+                (vf)(((vu)values[q] >> 16) | ((vu)second[q] & 0xFFFF0000u)));
+        continue;
+      }
+#endif
+      if (k / g.group_rows != group) {
+        group = k / g.group_rows;
+        load_group<F>(g, group, nb, cols, kTileCols, scale, zero);
+      }
+      for (int q = 0; q < kTileCols / kLanes; ++q) {
+        const vf z = kHasZeros<F> ? load(zero + q * kLanes) : vf{};
+        store(tile + r * kTileCols + q * kLanes, group_weight<F>(values[q], load(scale + q * kLanes), z));
+      }
+    }
+    if (k0 + rows == a.k)
+      for (int j = 0; j < blocks; ++j) bad |= rans_finish(d[j]);
+  }
+};
+
+template <int Kind, bool Packed, bool Dot>
+uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+  RansTileFill<Kind, Packed, Dot> fill(a, nb);
+  auto f = [&](int64_t k0, int64_t rows, float* tile) { fill(k0, rows, tile); };
+#if MARLIN_KERNEL_BF16_DOT
+  if constexpr (Dot) {
+    gemm_tiles_dot<kRansFormat<Kind>>(a.gemm, m0, m1, nb, scratch, f);
+    return fill.bad;
+  }
+#endif
+  gemm_tiles(a.gemm, m0, m1, nb, scratch, f);
+  return fill.bad;
+}
+
+// ---------------------------------------------------------------------------
+// Entry points: the kind (and table packing, and x's type) dispatched once.
+
+template <class Body>
+inline uint32_t with_rans_kind(const RansArgs& a, bool dot, Body&& body) {
+  const bool packed = a.prob_bits <= kRansPackedProbBits;
+  auto on_kind = [&]<int Kind>() -> uint32_t {
+#if MARLIN_KERNEL_BF16_DOT
+    if (dot) return packed ? body.template operator()<Kind, true, true>() : body.template operator()<Kind, false, true>();
+#endif
+    return packed ? body.template operator()<Kind, true, false>() : body.template operator()<Kind, false, false>();
+  };
+  if (a.kind == kRansGrid) return on_kind.template operator()<kRansGrid>();
+  return with_format(a.kind, on_kind);
+}
+
+uint32_t rans_gemv(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
+                   float* out, int64_t ldo) {
+  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, bool Packed, bool Dot>() {
+    return rans_gemv_kind<Kind, Packed, Dot>(a, m0, m1, b0, b1, c0, c1, out, ldo);
+  });
+}
+
+uint32_t rans_gemm_tile(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
+  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, bool Packed, bool Dot>() {
+    return rans_gemm_tile_kind<Kind, Packed, Dot>(a, m0, m1, nb, scratch);
+  });
+}
+
+template <bool Packed>
+uint32_t rans_decode_chunk_impl(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
+  RansLanes d;
+  rans_start(a, c, d);
+  const int64_t k0 = (c % a.kchunks) * a.chunk_k, k1 = k0 + a.chunk_k < a.k ? k0 + a.chunk_k : a.k;
+  alignas(64) uint32_t row[kRansBlockCols];
+  for (int64_t k = k0; k < k1; ++k) {
+    vu sym[kRansVectors];
+    rans_step<Packed>(d, a.table, a.prob_bits, sym);
+    for (int v = 0; v < kRansVectors; ++v) store_u(row + v * kLanes, sym[v]);
+    for (int64_t l = 0; l < cols; ++l) out[(k - k0) * ldo + l] = uint8_t(row[l]);
+  }
+  return rans_finish(d);
+}
+
+uint32_t rans_decode_chunk(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
+  return a.prob_bits <= kRansPackedProbBits ? rans_decode_chunk_impl<true>(a, c, out, ldo, cols)
+                                            : rans_decode_chunk_impl<false>(a, c, out, ldo, cols);
+}

@@ -1,0 +1,383 @@
+"""torch.ops.marlin.rans_decode / rans_gemm on CPU (the entropy-coded layout,
+docs/FORMAT.md): against a stream encoder and a per-element decoder written
+here from the spec (apart from torch_marlin's codec on purpose), float64
+dequantize-then-matmul, and the dense op on the same codes (lossless: equal,
+bit for bit). Every kernel build this CPU runs is checked by rerunning the
+tests below in a child process with TORCH_MARLIN_CPU_KERNELS set."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import torch_marlin as tm  # noqa: F401  (loads the ops)
+from reference import weight_one_by_one
+from torch_marlin import formats
+
+LANES = 32
+EPS = {torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float32: 2.0 ** -23}
+
+
+# --- the stream format, from the spec --------------------------------------------------
+
+def make_freqs(codes, symbols, prob_bits):
+    """Frequencies summing to 2^prob_bits, at least 1 for every symbol used."""
+    counts = np.bincount(codes.reshape(-1), minlength=symbols).astype(np.float64)
+    m = 1 << prob_bits
+    freqs = np.where(counts > 0, np.maximum(1, np.floor(counts * m / counts.sum())), 0).astype(np.int64)
+    freqs[np.argmax(freqs)] += m - freqs.sum()
+    assert freqs.min() >= 0 and freqs.sum() == m and np.all(freqs[counts > 0] >= 1)
+    return freqs
+
+
+def encode(codes, chunk_k, prob_bits, symbols, freqs=None):
+    """codes int [K, N] -> the op's tensors (words, word_offsets, states, freqs).
+    The spec's reference encoder: per chunk, lanes start at 2^16; for t = len-1..0,
+    l = 31..0: emit the low 16 bits while x >= freq << (32 - p), then
+    x = (x // freq << p) + x % freq + cum; the chunk's words are the emitted ones reversed."""
+    codes = np.asarray(codes, dtype=np.int64)
+    k, n = codes.shape
+    if freqs is None:
+        freqs = make_freqs(codes, symbols, prob_bits)
+    freqs = np.asarray(freqs, dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(freqs)[:-1]])
+    blocks = -(-n // LANES)
+    padded = np.full((k, blocks * LANES), int(np.argmax(freqs)), dtype=np.int64)  # pad columns: the most frequent
+    padded[:, :n] = codes
+    words, offsets, states = [], [0], []
+    for b in range(blocks):
+        for k0 in range(0, k, chunk_k):
+            sym = padded[k0:min(k, k0 + chunk_k), b * LANES:(b + 1) * LANES]
+            x = np.full(LANES, 1 << 16, dtype=np.uint64)
+            emitted = []
+            for t in range(sym.shape[0] - 1, -1, -1):
+                f, c = freqs[sym[t]].astype(np.uint64), cum[sym[t]].astype(np.uint64)
+                need = x >= (f << np.uint64(32 - prob_bits))
+                emitted.extend((x[need] & np.uint64(0xFFFF))[::-1].tolist())  # lanes 31..0
+                x = np.where(need, x >> np.uint64(16), x)
+                x = ((x // f) << np.uint64(prob_bits)) + x % f + c
+            words.extend(emitted[::-1])
+            offsets.append(len(words))
+            states.append(x)
+    return (torch.from_numpy(np.array(words, dtype=np.uint16).view(np.int16)),
+            torch.tensor(offsets, dtype=torch.int32),
+            torch.from_numpy(np.array(states, dtype=np.uint64).astype(np.uint32).view(np.int32).reshape(-1, LANES)),
+            torch.from_numpy(freqs.astype(np.uint16).view(np.int16)))
+
+
+def decode_one_by_one(words, word_offsets, states, freqs, k, n, chunk_k, prob_bits):
+    """Symbols [K][N] (Python lists), one lane and one step at a time, per the spec."""
+    words = [w & 0xFFFF for w in words.tolist()]
+    offsets = word_offsets.tolist()
+    states = [[s & 0xFFFFFFFF for s in row] for row in states.tolist()]
+    freqs = [f & 0xFFFF for f in freqs.tolist()]
+    cum = [sum(freqs[:s]) for s in range(len(freqs))]
+    mask = (1 << prob_bits) - 1
+    kchunks = -(-k // chunk_k)
+    out = [[None] * n for _ in range(k)]
+    for chunk in range(len(offsets) - 1):
+        b, c = divmod(chunk, kchunks)
+        x, ptr, end = list(states[chunk]), offsets[chunk], offsets[chunk + 1]
+        for row in range(c * chunk_k, min(k, (c + 1) * chunk_k)):
+            for lane in range(LANES):
+                slot = x[lane] & mask
+                s = next(s for s in range(len(freqs)) if cum[s] <= slot < cum[s] + freqs[s])
+                x[lane] = freqs[s] * (x[lane] >> prob_bits) + slot - cum[s]
+                if x[lane] < 1 << 16:
+                    assert ptr < end
+                    x[lane] = (x[lane] << 16) | words[ptr]
+                    ptr += 1
+                if b * LANES + lane < n:
+                    out[row][b * LANES + lane] = s
+        assert ptr == end and all(v == 1 << 16 for v in x)
+    return out
+
+
+def skewed_codes(k, n, symbols, generator=None):
+    """Codes with a peaked distribution (what quantized weights look like), every symbol possible."""
+    if symbols == 16:
+        p = torch.tensor([1, 2, 4, 8, 14, 20, 26, 30, 30, 26, 20, 14, 8, 4, 2, 1], dtype=torch.float64)
+    else:
+        p = torch.exp(-0.5 * ((torch.arange(256) - 128.0) / 9.0) ** 2) + 1e-4
+    return torch.multinomial(p / p.sum(), k * n, replacement=True, generator=generator).view(k, n)
+
+
+def random_groups(k, n, weight_format, group_size):
+    groups = 1 if group_size == -1 else k // group_size
+    scales = (torch.rand(groups, n) * 0.02 + 0.001).half()
+    zeros = (torch.rand(groups, n) * 15).half() if formats.has_zeros(weight_format) else None
+    return scales, zeros
+
+
+def dequantize_codes(codes, scales, zeros, weight_format, group_size):
+    """float64 B [K, N] per element (tests/reference.py), or the grid's (s - 128) * step."""
+    k, n = codes.shape
+    if weight_format == "grid":
+        return (codes.double() - 128) * scales.double()
+    rows = k if group_size == -1 else group_size
+    c, s = codes.tolist(), scales.double().tolist()
+    z = None if zeros is None else zeros.double().tolist()
+    return torch.tensor([[weight_one_by_one(c[r][j], s[r // rows][j], None if z is None else z[r // rows][j],
+                                            weight_format) for j in range(n)] for r in range(k)], dtype=torch.float64)
+
+
+def assert_close_to_reference(y, x, b64, bias=None):
+    """One rounding to y's dtype plus fp32 accumulation error, per element."""
+    ref = x.double() @ b64 + (0 if bias is None else bias.double())
+    magnitude = x.double().abs() @ b64.abs() + (0 if bias is None else bias.double().abs())
+    bound = 0.5 * EPS[y.dtype] * ref.abs() + 1e-6 * magnitude + 1e-30
+    err = (y.double() - ref).abs()
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert torch.all(err <= bound), f"max err {err.max():.3g}, worst ratio {(err / bound).max():.3g}"
+
+
+# --- decode ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("symbols, prob_bits", [(16, 10), (16, 12), (256, 12), (256, 13), (16, 15), (256, 15)])
+def test_encoder_and_decoder_of_the_spec_agree(symbols, prob_bits):
+    k, n, chunk_k = 70, 45, 32  # K not a multiple of chunk_k, N not of 32
+    codes = skewed_codes(k, n, symbols)
+    t = encode(codes.numpy(), chunk_k, prob_bits, symbols)
+    assert decode_one_by_one(*t, k, n, chunk_k, prob_bits) == codes.tolist()
+    assert torch.equal(torch.ops.marlin.rans_decode(*t, k, n, chunk_k, prob_bits), codes.to(torch.uint8))
+
+
+@pytest.mark.parametrize("symbols, prob_bits", [(16, 12), (256, 12), (256, 15)])
+@pytest.mark.parametrize("k, n, chunk_k", [(1, 1, 32), (33, 31, 32), (300, 100, 128), (1024, 64, 1024), (96, 33, 64)])
+def test_decode_op_gives_the_codes(symbols, prob_bits, k, n, chunk_k):
+    codes = skewed_codes(k, n, symbols)
+    t = encode(codes.numpy(), chunk_k, prob_bits, symbols)
+    assert torch.equal(torch.ops.marlin.rans_decode(*t, k, n, chunk_k, prob_bits), codes.to(torch.uint8))
+
+
+def test_decode_single_symbol_stream_has_no_words():
+    codes = torch.full((64, 40), 5)
+    t = encode(codes.numpy(), 32, 12, 16)
+    assert t[0].numel() == 0
+    assert torch.equal(torch.ops.marlin.rans_decode(*t, 64, 40, 32, 12), codes.to(torch.uint8))
+
+
+# --- gemm -----------------------------------------------------------------------------
+
+ROWS = [1, 3, 32, 128]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_format", formats.WEIGHT_FORMATS)
+def test_lossless_gemm_equals_the_dense_op(weight_format, dtype):
+    """The same codes, scales and zeros through the dense op: the same result, bit for bit
+    (one thread: a K split over threads, used when N has few column blocks, sums in another order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for k, n, group_size, chunk_k in [(320, 70, 64, 128), (256, 33, -1, 96), (512, 96, 128, 256)]:
+            codes = skewed_codes(k, n, 16)
+            scales, zeros = random_groups(k, n, weight_format, group_size)
+            t = encode(codes.numpy(), chunk_k, 12, 16)
+            packed = tm.pack_codes(codes)
+            for m in ROWS:
+                x = torch.randn(m, k).to(dtype)
+                bias = torch.randn(n).to(dtype) if m % 2 else None
+                dense = torch.ops.marlin.gemm(x, packed, scales, zeros, bias, weight_format, group_size)
+                y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, bias, weight_format, k, chunk_k, 12, group_size)
+                assert y.dtype == dtype and torch.equal(y, dense), (k, n, m, (y.float() - dense.float()).abs().max())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_format", [*formats.WEIGHT_FORMATS, "grid"])
+def test_gemm_matches_float64_reference(weight_format, dtype):
+    symbols = 256 if weight_format == "grid" else 16
+    for m, k, n, group_size, chunk_k, prob_bits in [(1, 100, 45, -1, 64, 12), (3, 96, 70, 32, 32, 14),
+                                                     (32, 200, 33, -1, 96, 12), (128, 160, 64, 32, 64, 15)]:
+        if weight_format == "grid":
+            group_size = k
+        codes = skewed_codes(k, n, symbols)
+        if weight_format == "grid":
+            scales, zeros = (torch.rand(1, n) * 0.002 + 0.0001).half(), None
+        else:
+            scales, zeros = random_groups(k, n, weight_format, group_size)
+        t = encode(codes.numpy(), chunk_k, prob_bits, symbols)
+        b64 = dequantize_codes(codes, scales, zeros, weight_format, group_size)
+        x = torch.randn(2, m, k).to(dtype)  # batch dimensions: [..., K]
+        bias = torch.randn(n).to(dtype) if m % 2 else None
+        y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, bias, weight_format, k, chunk_k, prob_bits, group_size)
+        assert y.shape == (2, m, n)
+        assert_close_to_reference(y.view(-1, n), x.view(-1, k), b64, bias)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+@pytest.mark.parametrize("weight_format", ["grid", "uint4"])
+def test_gemv_split_over_k_is_deterministic(weight_format, threads):
+    """Few column blocks: the GEMV splits K over threads and adds the parts in order."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k, n, chunk_k = 1024, 40, 128
+        symbols, group_size = (256, k) if weight_format == "grid" else (16, 128)
+        codes = skewed_codes(k, n, symbols)
+        scales, zeros = ((torch.rand(1, n) * 0.002).half(), None) if weight_format == "grid" else \
+            random_groups(k, n, weight_format, group_size)
+        t = encode(codes.numpy(), chunk_k, 12, symbols)
+        x = torch.randn(2, k)
+        y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, None, weight_format, k, chunk_k, 12, group_size)
+        assert torch.equal(y, torch.ops.marlin.rans_gemm(x, *t, scales, zeros, None, weight_format, k, chunk_k, 12,
+                                                         group_size))
+        assert_close_to_reference(y, x, dequantize_codes(codes, scales, zeros, weight_format, group_size))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_gemm_empty_batch():
+    codes = skewed_codes(64, 8, 16)
+    t = encode(codes.numpy(), 32, 12, 16)
+    y = torch.ops.marlin.rans_gemm(torch.randn(0, 64), *t, torch.ones(1, 8).half(), None, None, "fp4", 64, 32, 12, -1)
+    assert y.shape == (0, 8)
+
+
+# --- bad input ------------------------------------------------------------------------
+
+def grid_case(k=200, n=70, chunk_k=64, prob_bits=12):
+    codes = skewed_codes(k, n, 256)
+    words, offsets, states, freqs = encode(codes.numpy(), chunk_k, prob_bits, 256)
+    return dict(x=torch.randn(3, k), words=words, word_offsets=offsets, states=states, freqs=freqs,
+                scales=torch.full((1, n), 0.01).half(), zeros=None, bias=None, weight_format="grid", K=k,
+                chunk_k=chunk_k, prob_bits=prob_bits, group_size=k)
+
+
+def run_gemm(a):
+    return torch.ops.marlin.rans_gemm(a["x"], a["words"], a["word_offsets"], a["states"], a["freqs"], a["scales"],
+                                      a["zeros"], a["bias"], a["weight_format"], a["K"], a["chunk_k"],
+                                      a["prob_bits"], a["group_size"])
+
+
+def run_decode(a):
+    return torch.ops.marlin.rans_decode(a["words"], a["word_offsets"], a["states"], a["freqs"], a["K"],
+                                        a["scales"].shape[1], a["chunk_k"], a["prob_bits"])
+
+
+def flipped(words, index, bit):
+    w = words.clone()
+    w[index] ^= 1 << bit
+    return w
+
+
+CORRUPT = 'corrupted rans stream: chunk'
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_corrupted_streams_are_clear_errors(rows):
+    a = grid_case()
+    a["x"] = torch.randn(rows, a["K"])
+    w, o = a["words"], a["word_offsets"]
+    cases = [
+        # truncated: the last chunk's words cut short, offsets kept consistent
+        (dict(words=w[:-5], word_offsets=torch.cat([o[:-1], o[-1:] - 5])), CORRUPT),
+        # a bit flipped in the middle of each of a few chunks' words
+        *[(dict(words=flipped(w, int(o[c] + (o[c + 1] - o[c]) // 2), bit)), CORRUPT) for c, bit in [(0, 0), (4, 7), (8, 15)]],
+        # words moved between two chunks (offsets still monotone and complete)
+        (dict(word_offsets=torch.cat([o[:3], o[3:4] + 2, o[4:]])), CORRUPT),
+        # a final state of a chunk changed
+        (dict(states=a["states"] + torch.tensor([[0] * 31 + [1]] + [[0] * 32] * (a["states"].shape[0] - 1),
+                                                dtype=torch.int32)), CORRUPT),
+    ]
+    for over, message in cases:
+        b = dict(a, **over)
+        with pytest.raises(ValueError, match=message):
+            run_gemm(b)
+        with pytest.raises(ValueError, match=message):
+            run_decode(b)
+
+
+def test_swapped_freqs_are_a_clear_error():
+    a = grid_case()
+    f = a["freqs"].clone()
+    f[[127, 128]] = f[[128, 127]]  # still sums to 2^prob_bits: only the decode can tell
+    for run in (run_gemm, run_decode):
+        with pytest.raises(ValueError, match=CORRUPT):
+            run(dict(a, freqs=f))
+
+
+def _bad_args():
+    a = grid_case()
+    o, s, f, w = a["word_offsets"], a["states"], a["freqs"], a["words"]
+    bump = f.clone()
+    bump[0] += 1
+    low = s.clone()
+    low[2, 5] = 65535
+    return [
+        (dict(freqs=bump), r"freqs must sum to 2\^prob_bits = 4096, got 4097"),
+        (dict(freqs=f[:16]), r"freqs must have shape \[256\] for weight_format='grid'"),
+        (dict(freqs=f.int()), "freqs must be int16"),
+        (dict(word_offsets=o.flip(0)), r"word_offsets\[0\] must be 0"),
+        (dict(word_offsets=torch.cat([o[:2], o[1:2] - 1, o[3:]])), "word_offsets must not decrease"),
+        (dict(word_offsets=o[:-1]), r"word_offsets must have shape \[chunks \+ 1\] = \[13\]"),
+        (dict(words=w[:-1]), r"word_offsets\[-1\] must equal words.numel\(\)"),
+        (dict(words=w.int()), "words must be int16"),
+        (dict(states=low), r"states must be in \[2\^16, 2\^32\) as uint32, got 65535 at \[2, 5\]"),
+        (dict(states=s[:, :16].contiguous()), r"states must have shape \[chunks, 32\] = \[12, 32\]"),
+        (dict(chunk_k=48), r"chunk_k must be a multiple of 32 in \[32, K rounded up to 32 = 224\], got 48"),
+        (dict(chunk_k=256), r"chunk_k must be a multiple of 32"),
+        (dict(prob_bits=16), r"prob_bits must be in \[10, 15\], got 16"),
+        (dict(prob_bits=9), r"prob_bits must be in \[10, 15\], got 9"),
+        (dict(weight_format="fp8"), r"weight_format must be 'grid' or a value format \('fp4', .*\), got 'fp8'"),
+        (dict(group_size=64), "group_size must be K = 200 \\(or -1\\) for weight_format='grid'"),
+        (dict(zeros=torch.ones(1, 70).half()), "zeros must be None for weight_format='grid'"),
+        (dict(scales=torch.ones(2, 70).half()), r"scales must have shape \[K/group_size, N\] = \[1, 70\]"),
+        (dict(scales=torch.ones(1, 70)), "scales must be float16"),
+        (dict(x=torch.randn(3, 199)), "x.size\\(-1\\) must equal K = the argument K = 200"),
+        (dict(x=torch.randn(3, 200).double()), "x must be float16, bfloat16 or float32"),
+        (dict(bias=torch.randn(71)), r"bias must have shape \[N\] = \[70\]"),
+        (dict(K=0), "K must be >= 1"),
+    ]
+
+
+@pytest.mark.parametrize("over, message", _bad_args())
+def test_bad_arguments_are_clear_errors(over, message):
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        run_gemm(dict(grid_case(), **over))
+
+
+def test_lossless_argument_rules():
+    k, n = 256, 40
+    codes = skewed_codes(k, n, 16)
+    t = encode(codes.numpy(), 96, 12, 16)
+    scales, zeros = random_groups(k, n, "uint4", 64)
+    with pytest.raises(ValueError, match="chunk_k = 96 must be a multiple of group_size = 64"):
+        torch.ops.marlin.rans_gemm(torch.randn(1, k), *t, scales, zeros, None, "uint4", k, 96, 12, 64)
+    with pytest.raises(ValueError, match="zeros is required for weight_format='uint4'"):
+        torch.ops.marlin.rans_gemm(torch.randn(1, k), *t, scales, None, None, "uint4", k, 96, 12, 64)
+    grid = encode(codes.numpy(), 96, 12, 256)
+    with pytest.raises(ValueError, match=r"freqs must have shape \[16\] for weight_format='fp4'"):
+        torch.ops.marlin.rans_gemm(torch.randn(1, k), *grid, scales, None, None, "fp4", k, 96, 12, 64)
+
+
+# --- the same tests under every kernel build --------------------------------------------
+
+REFERENCE_TESTS = ["test_encoder_and_decoder_of_the_spec_agree", "test_decode_op_gives_the_codes",
+                   "test_lossless_gemm_equals_the_dense_op", "test_gemm_matches_float64_reference",
+                   "test_gemv_split_over_k_is_deterministic", "test_corrupted_streams_are_clear_errors",
+                   "test_swapped_freqs_are_a_clear_error", "test_decode_single_symbol_stream_has_no_words"]
+
+
+def cpu_kernels():
+    return json.loads(torch.ops.marlin._cpu_kernels())
+
+
+@pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
+def test_kernel_build_matches_reference(build, child_pytest):
+    """Each build this CPU runs, forced by environment variable; the aarch64 builds run
+    under qemu in test_cpu_kernels_aarch64.py."""
+    info = cpu_kernels()
+    if info["builds"][build]:
+        pytest.skip(f"{build}: {info['builds'][build]}")
+    if build == info["selected"]:
+        pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
+    returncode, output = child_pytest(f"test_rans_ops.py under the {build} build",
+                                      [__file__, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
+    assert returncode == 0, output[-6000:]
+    assert " passed" in output and " failed" not in output
