@@ -52,6 +52,22 @@ def quantize_marlin(model, weight_format, group_size, quantizer, calibration=Non
                                              calibration=calibration, act_order=quantizer == "gptq-act-order")
     else:
         report = torch_marlin.quantize_model(model, weight_format, group_size, method=quantizer)
+    return _totals(model, report, norms2)
+
+
+def quantize_entropy_coded(model, bits, quantizer, calibration=None):
+    """The entropy-coded grid (docs/ENTROPY.md) at `bits` per weight, every byte counted."""
+    import torch_marlin
+
+    norms2 = {name: float((m.weight.detach().double() ** 2).sum()) for name, m in linear_layers(model)}
+    gptq = quantizer.startswith("gptq")
+    report = torch_marlin.quantize_model(model, bits=bits, method="gptq" if gptq else "rtn",
+                                         calibration=calibration if gptq else None,
+                                         **({"act_order": True} if quantizer == "gptq-act-order" else {}))
+    return _totals(model, report, norms2)
+
+
+def _totals(model, report, norms2):
     bits = params = err2 = 0.0
     for name in report.replaced:
         layer = model.get_submodule(name)
@@ -59,6 +75,29 @@ def quantize_marlin(model, weight_format, group_size, quantizer, calibration=Non
         params += layer.in_features * layer.out_features
         err2 += report.relative_errors[name] ** 2 * norms2[name]
     return bits / params, (err2 / sum(norms2.values())) ** 0.5
+
+
+def lossless_sizes(model):
+    """(bits per weight of the dense layers, of the same layers entropy-coded, of their
+    streams alone, entropy of their codes) over the quantized layers of `model`."""
+    import torch_marlin
+    from torch_marlin import rans
+    from torch_marlin.layouts import RansQuantizedWeight
+
+    dense = coded = stream = entropy = params = 0.0
+    for _, layer in model.named_modules():
+        if not isinstance(layer, torch_marlin.MarlinLinear):
+            continue
+        q = layer.quantized_weight()
+        r = RansQuantizedWeight.from_dense(q)
+        codes = r.symbols()
+        n = q.num_weights
+        dense += 8 * q.nbytes
+        coded += 8 * r.nbytes
+        stream += 8 * (r.words.numel() * 2 + r.states.numel() * 4 + r.word_offsets.numel() * 4)
+        entropy += rans.entropy_bits(codes, 16) * n
+        params += n
+    return dense / params, coded / params, stream / params, entropy / params
 
 
 def mlx_affine(w: torch.Tensor, group_size: int = 64) -> torch.Tensor:
@@ -94,6 +133,13 @@ def main(argv=None) -> int:
                         choices=["absmax", "mse", "gptq", "gptq-act-order"])
     parser.add_argument("--calibration-samples", type=int, default=256,
                         help="calibration sentences for gptq (default 256)")
+    parser.add_argument("--bits", nargs="*", type=float, default=[],
+                        help="also the entropy-coded grid at these bits per weight (for each of --quantizers "
+                             "mse -> round to nearest, gptq, gptq-act-order)")
+    parser.add_argument("--entropy-code", action="store_true",
+                        help="also code every fixed-format result losslessly: its bits per weight, its stream "
+                             "and its codes' entropy")
+    parser.add_argument("--no-fixed", action="store_true", help="skip the fixed formats (with --bits)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -109,15 +155,20 @@ def main(argv=None) -> int:
     samples = calibration_text.sentences(args.calibration_samples)
     assert not set(samples) & set(minilm.SENTENCES), "calibration must not contain evaluation sentences"
     calibration, n_samples, _ = calibration_batches(tokenizer, samples, samples=len(samples), batch_size=16)
-    configs = [(f, g, q) for q in args.quantizers for f in args.formats for g in args.group_sizes]
+    configs = [] if args.no_fixed else [(f, g, q) for q in args.quantizers for f in args.formats
+                                        for g in args.group_sizes]
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; gptq calibration: {n_samples} sentences")
     print("| format | group | quantizer | calibration | bits/weight | rel. weight error | mean cosine | min cosine "
           "| s | cpu s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for label, run in [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))] + [
+    grid = [((f"rans {b}", -1, "rtn" if q in ("mse", "absmax") else q),
+             (lambda m, b=b, q=q: quantize_entropy_coded(m, b, q, calibration)))
+            for b in args.bits for q in dict.fromkeys("mse" if q == "absmax" else q for q in args.quantizers)]
+    baseline = [] if args.no_fixed else [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))]
+    for label, run in baseline + [
             ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q, calibration)))
-            for f, g, q in configs]:
+            for f, g, q in configs] + grid:
         model = fresh()
         start, cpu_start = time.time(), time.process_time()
         bits, rel = run(model)
@@ -127,10 +178,17 @@ def main(argv=None) -> int:
         row = {"format": label[0], "group_size": label[1], "quantizer": label[2], "calibration_samples": cal,
                "bits_per_weight": bits, "relative_weight_error": rel, "mean_cosine": float(cosine.mean()),
                "min_cosine": float(cosine.min()), "seconds": seconds, "cpu_seconds": cpu_seconds}
+        if args.entropy_code and not label[0].startswith(("rans", "mlx")):
+            row["lossless"] = dict(zip(("dense_bits", "coded_bits", "stream_bits", "code_entropy"),
+                                       lossless_sizes(model)))
         rows.append(row)
         print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {cal or '-'} | {bits:.3f} | "
               f"{rel:.4f} | {row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {seconds:.1f} | "
               f"{cpu_seconds:.1f} |", flush=True)
+        if "lossless" in row:
+            print("|   lossless: dense {dense_bits:.3f} -> entropy-coded {coded_bits:.3f} bits/weight; stream "
+                  "{stream_bits:.3f} bits/code, code entropy {code_entropy:.3f} |".format(**row["lossless"]),
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

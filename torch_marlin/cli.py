@@ -4,7 +4,7 @@
     torch-marlin convert SRC DST [--format FORMAT] [--group-size N]
                  [--exclude PATTERN ...] [--dtype float16|bfloat16|float32] [--revision REV]
                  [--sparsity 2:4] [--method gptq|sparsegpt|wanda --calibration FILE
-                 [--calibration-samples N] [--calibration-length L]]
+                 [--calibration-samples N] [--calibration-length L]] [--bits BITS | --entropy-code]
 
 SRC is a model directory or a Hugging Face Hub repo id (torch_marlin/hf/hub.py);
 with a calibrated --method it must be a local directory.
@@ -54,6 +54,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="prune float sources to 2:4 structured sparsity before quantizing (by magnitude, "
                            "or with --method sparsegpt|wanda; weights that are already 2:4 keep their "
                            "pattern); docs/SPARSITY.md")
+    conv.add_argument("--bits", type=float, default=None, metavar="BITS",
+                      help="entropy-coded layout (docs/ENTROPY.md): a uniform grid rate-allocated to at most BITS "
+                           "bits per weight on average, every byte counted (e.g. 3.5); with --method rtn (default) "
+                           "or gptq --calibration FILE; loads the float model with transformers")
+    conv.add_argument("--entropy-code", action="store_true",
+                      help="code the --format/--group-size result losslessly with the entropy-coded layout "
+                           "(same weights, fewer bytes; docs/ENTROPY.md)")
     conv.add_argument("--quantize-lm-head", action="store_true",
                       help="also quantize the output projection (unless tied to the embeddings)")
     conv.add_argument("--max-shard-size", type=int, default=2048, metavar="MiB",
@@ -128,6 +135,8 @@ def _convert(args) -> int:
     if args.act_order and args.method != "gptq":
         print("error: --act-order is a GPTQ option (--method gptq)", file=sys.stderr)
         return _EXIT_USAGE
+    if args.bits is not None or args.entropy_code:
+        return _convert_entropy_coded(args)
     if calibrated:
         return _convert_calibrated(args)
 
@@ -157,6 +166,31 @@ def _report(run) -> int:
         return 130
     print(result)
     return _EXIT_OK
+
+
+def _convert_entropy_coded(args) -> int:
+    from .hf.calibrated import convert_with_calibration
+
+    if args.bits is not None and args.entropy_code:
+        print("error: --bits (rate-controlled grid) and --entropy-code (lossless) exclude each other", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.bits is not None and not 1.0 <= args.bits <= 8.0:
+        print(f"error: --bits must be in [1, 8] bits per weight, got {args.bits}", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.sparsity is not None or args.method not in ("rtn", "gptq"):
+        print("error: --bits / --entropy-code take --method rtn or gptq, without --sparsity", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.revision is not None:
+        print("error: --bits / --entropy-code take a local model directory (no --revision)", file=sys.stderr)
+        return _EXIT_USAGE
+    return _report(lambda: convert_with_calibration(
+        args.src, args.dst, args.calibration, weight_format=args.weight_format, group_size=args.group_size,
+        method=args.method, samples=args.calibration_samples, length=args.calibration_length,
+        batch_size=args.calibration_batch_size, seed=args.seed, act_order=args.act_order, damp=args.damp,
+        block_size=args.block_size, exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head,
+        overwrite=args.overwrite, max_shard_bytes=args.max_shard_size * 2 ** 20,
+        calibration_dtype=args.calibration_dtype, bits=args.bits, entropy_code=args.entropy_code,
+        quantizer=args.quantizer))
 
 
 def _convert_calibrated(args) -> int:

@@ -108,7 +108,7 @@ class QuantizedModule(nn.Module):
         saved = [int(v) for v in state.tolist()]
         if saved == mine:
             return
-        if layout_by_code(saved[0]) is None or not 0 <= saved[1] < len(formats.WEIGHT_FORMATS):
+        if layout_by_code(saved[0]) is None or not layout_by_code(saved[0]).knows_format_number(saved[1]):
             raise ValueError(f"{cls} state_dict has layout {saved[0]} / format number {saved[1]}, which this "
                              f"torch_marlin does not know (it reads layouts {known_layout_codes()})")
         raise ValueError(f"state_dict was saved from {cls}({self.layout.describe_descriptor(saved)}); "
@@ -164,7 +164,7 @@ class MarlinLinear(QuantizedModule):
     @classmethod
     def from_linear(cls, linear: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                     method: str = "mse", sparsity: Optional[str] = None, hessian: Optional[torch.Tensor] = None,
-                    **options) -> "MarlinLinear":
+                    bits: Optional[float] = None, **options) -> "MarlinLinear":
         """Quantize an nn.Linear (or transformers Conv1D) on any device; the result
         stays on that device. This is the one path every float linear weight takes
         (quantize_model, quantize-on-load). `method` is the quantizer.
@@ -176,7 +176,17 @@ class MarlinLinear(QuantizedModule):
         sparsity="2:4" prunes the weight to 2:4 first (docs/SPARSITY.md): by magnitude
         (method "magnitude" or a quantizer name), or with method="sparsegpt" | "wanda" and
         `hessian` (damp / block_size: torch_marlin.sparsegpt); a weight that is already 2:4
-        keeps its pattern."""
+        keeps its pattern.
+
+        bits=<float> quantizes onto the entropy-coded grid at most `bits` bits per weight, every
+        byte counted (docs/ENTROPY.md); method "mse"/"rtn" (round to nearest) or "gptq" with
+        `hessian` (act_order / damp / block_size); weight_format and group_size are not used."""
+        if bits is not None:
+            if sparsity is not None:
+                raise ValueError(f"bits= does not combine with sparsity={sparsity!r}")
+            from .rans_quantize import grid_linear
+
+            return grid_linear(linear, bits, "rtn" if method == "mse" else method, hessian, **options)
         from .sparsity import CALIBRATED_PRUNING, split_method
 
         layout = _choose_layout(None, sparsity)
@@ -235,9 +245,10 @@ class PermutedInputMarlinLinear(MarlinLinear):
     groups are contiguous after the permutation, so the input is permuted the same way."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, weight_format: str = "fp4",
-                 group_size: int = 128, device=None, dtype=None, layout=None, sparsity=None) -> None:
+                 group_size: int = 128, device=None, dtype=None, layout=None, sparsity=None,
+                 **layout_options) -> None:
         super().__init__(in_features, out_features, bias, weight_format, group_size, device=device, dtype=dtype,
-                         layout=layout, sparsity=sparsity)
+                         layout=layout, sparsity=sparsity, **layout_options)
         self.register_buffer("input_perm", torch.arange(in_features, dtype=torch.int32, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ class QuantizationReport:
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
     calibration_batches: int = 0
     seconds: float = 0.0
+    # bits= (entropy-coded layout): every byte of each layer's coded weight per weight
+    bits_per_layer: Dict[str, float] = field(default_factory=dict)
 
     @property
     def bytes_saved(self) -> int:
@@ -63,6 +65,10 @@ class QuantizationReport:
             if self.unreached:
                 lines.append(f"  never reached by the calibration data ({self.baseline_name}): {', '.join(self.unreached)}")
             text = "\n".join(lines)
+        if self.bits_per_layer:
+            weights = {name: self.bits_per_layer[name] for name in self.bits_per_layer}
+            text += "\nbits per weight per layer (entropy-coded, every byte counted):\n" + "\n".join(
+                f"  {name}: {bits:.3f}" for name, bits in weights.items())
         return text
 
 
@@ -100,7 +106,8 @@ def _nbytes(module: nn.Module) -> int:
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
                    method: str = "mse", calibration: Optional[Iterable] = None,
-                   sparsity: Optional[str] = None, **options) -> QuantizationReport:
+                   sparsity: Optional[str] = None, bits: Optional[float] = None, entropy_code: bool = False,
+                   **options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear, and
@@ -123,24 +130,27 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
 
     Expert stacks are always quantized dense and without calibration (the
     quantizer "mse" when `method` is a calibrated or pruning method): GPTQ,
-    SparseGPT and 2:4 for experts are not implemented."""
+    SparseGPT and 2:4 for experts are not implemented.
+
+    bits=<float> selects the entropy-coded layout (docs/ENTROPY.md): every selected linear
+    layer on a uniform grid, rate-allocated so that the coded weights average at most
+    `bits` bits per weight, every byte counted; method "rtn" (default) or "gptq" with
+    `calibration`. entropy_code=True codes the dense result (weight_format, group_size,
+    method as without it) losslessly instead. Neither codes expert stacks (refused)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if bits is not None or entropy_code:
+        from .rans_quantize import quantize_model_entropy_coded
+
+        return quantize_model_entropy_coded(model, weight_format, group_size, include, exclude, method,
+                                            calibration, sparsity, bits, entropy_code, **options)
     # Checked here, not per layer, so the error does not carry the first layer's name.
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
     pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
-    targets = []
-    for name, module in model.named_modules():
-        if not is_float_linear(module):
-            continue
-        selected = include_p is None or matches_any(name, include_p)
-        if not selected or matches_any(name, exclude_p):
-            report.skipped.append(name)
-        else:
-            targets.append(name)
+    targets = select_linear_layers(model, include_p, exclude_p, report)
     layers = {name: model.get_submodule(name) for name in targets}
     if pruning in CALIBRATED_PRUNING:
         from .sparsegpt import quantize_model_sparse
@@ -167,6 +177,21 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     _quantize_experts(model, weight_format, group_size, include_p, exclude_p, quantizer, report)
     _warn_unmatched(report, include_p or [], exclude_p)
     return report
+
+
+def select_linear_layers(model: nn.Module, include_p: Optional[List[str]], exclude_p: List[str],
+                         report: QuantizationReport) -> List[str]:
+    """Names of the float linear layers to quantize; the others go to report.skipped."""
+    targets = []
+    for name, module in model.named_modules():
+        if not is_float_linear(module):
+            continue
+        selected = include_p is None or matches_any(name, include_p)
+        if not selected or matches_any(name, exclude_p):
+            report.skipped.append(name)
+        else:
+            targets.append(name)
+    return targets
 
 
 def _warn_unmatched(report: QuantizationReport, include_p: List[str], exclude_p: List[str]) -> None:

@@ -168,19 +168,24 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                              quantize_lm_head: bool = False, overwrite: bool = False,
                              max_shard_bytes: int = 2 * 2 ** 30,
                              calibration_dtype: str = "float32", method: str = "gptq",
-                             sparsity: Optional[str] = None) -> CalibratedConversion:
+                             sparsity: Optional[str] = None, bits: Optional[float] = None,
+                             entropy_code: bool = False, quantizer: str = "mse") -> CalibratedConversion:
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
     write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact).
     method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md)."""
     start = time.time()
-    if method not in ("gptq",) + CALIBRATED_PRUNING:
-        raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda', got {method!r}")
-    split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
+    coded = bits is not None or entropy_code  # the entropy-coded layout (docs/ENTROPY.md)
+    if method not in ("gptq",) + CALIBRATED_PRUNING + (("rtn",) if coded else ()):
+        raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda' (or 'rtn' with bits / entropy_code), "
+                         f"got {method!r}")
+    if method != "rtn":
+        split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if act_order and method != "gptq":
         raise ValueError(f"act_order is a GPTQ option, got method={method!r}")
-    formats.check_weight_format(weight_format)
-    formats.check_group_size(group_size)
+    if bits is None:
+        formats.check_weight_format(weight_format)
+        formats.check_group_size(group_size)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {dtype!r}")
     if calibration_dtype not in ("float32", "bfloat16"):
@@ -191,19 +196,16 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     src, dst = check_paths(src, dst, overwrite)
     if not os.path.isfile(os.path.join(src, "config.json")):
         raise CheckpointError(f"{src} is not a model directory (no config.json)")
-    texts = read_calibration_texts(calibration)
-
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
-    except Exception as e:  # noqa: BLE001  (missing files, unknown tokenizer class...)
-        raise CheckpointError(f"cannot load the tokenizer of {src} ({type(e).__name__}: {e}); "
-                              f"calibration text is tokenized with the model's own tokenizer") from e
-    batches, n_samples, n_tokens = calibration_batches(tokenizer, texts, samples, length, batch_size, seed)
+    batches, n_samples, n_tokens = None, 0, 0
+    if method != "rtn":
+        batches, n_samples, n_tokens = _calibration(src, calibration, transformers, samples, length, batch_size,
+                                                    seed)
     notes = []
-    if n_samples < samples:
+    if n_samples and n_samples < samples:
         notes.append(f"the calibration file gave {n_samples} samples (fewer than the {samples} asked for)")
 
     model, source_dtype = _load_float_model(src, transformers, DTYPES[calibration_dtype])
+
     for name, tensor in model.state_dict().items():  # before a NaN reaches the next layer's inputs
         check_finite(name, tensor)
     targets, layers_in_float, notes_on_experts = _choose_layers(model, exclude, quantize_lm_head)
@@ -211,12 +213,24 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
     options = {"act_order": act_order} if method == "gptq" else {}
-    report = quantize_model(model, weight_format, group_size, include=targets, method=method, sparsity=sparsity,
-                            calibration=batches, damp=damp, block_size=block_size, **options)
+    if method != "rtn":
+        options.update(damp=damp, block_size=block_size)
+    if coded:
+        options.update(bits=bits, entropy_code=entropy_code)
+        if bits is not None:
+            weight_format, group_size = "grid", -1
+    report = quantize_model(model, weight_format, group_size, include=targets,
+                            method=quantizer if method == "rtn" else method, sparsity=sparsity,
+                            calibration=batches, **options)
     out_dtype = DTYPES[dtype] if dtype is not None else source_dtype
     model.to(out_dtype)  # layers in float back to the source's dtype; scales stay fp16
     modules = modules_table(model, report)
-    description = {"method": "float", "quantizer": method, "act_order": bool(act_order), "damp": damp,
+    if coded:
+        description_extra = {"bits": bits} if bits is not None else {"entropy_code": True}
+    else:
+        description_extra = {}
+    description = {"method": "float", "quantizer": method, **description_extra, "act_order": bool(act_order),
+                   "damp": damp,
                    "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens,
                    "calibration_dtype": calibration_dtype, **({"sparsity": sparsity} if sparsity else {})}
     config = build_quantization_config(_Described(description), modules, layers_in_float)
@@ -241,6 +255,17 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     stacks = sum(1 for entry in modules.values() if entry.get("layout") == "experts")
     return CalibratedConversion(report, n_samples, n_tokens, layers_in_float, stacks, _weights_bytes(src),
                                 _weights_bytes(dst), time.time() - start, dst, notes)
+
+
+def _calibration(src: str, calibration: str, transformers, samples: int, length: int, batch_size: int, seed: int):
+    """(batches, samples, tokens) of a calibration file, tokenized with the model's tokenizer."""
+    texts = read_calibration_texts(calibration)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(src, local_files_only=True)
+    except Exception as e:  # noqa: BLE001  (missing files, unknown tokenizer class...)
+        raise CheckpointError(f"cannot load the tokenizer of {src} ({type(e).__name__}: {e}); "
+                              f"calibration text is tokenized with the model's own tokenizer") from e
+    return calibration_batches(tokenizer, texts, samples, length, batch_size, seed)
 
 
 @dataclass

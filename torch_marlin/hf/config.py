@@ -20,13 +20,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Dict, List
 
-from .. import formats
-from ..layouts import layout_for_sparsity
+from .. import formats, rans
+from ..layouts import RansQuantizedWeight, layout_for_sparsity
 from .errors import CheckpointError
 
 QUANT_METHOD = "torch_marlin"
 FORMAT_VERSION = 1
-LAYOUTS = ("dense", "experts")  # a module entry's "layout" (absent: dense)
+LAYOUTS = ("dense", "experts", "rans")  # a module entry's "layout" (absent: dense)
+# rans (entropy-coded) entries also carry the stream's shape: "chunk_k", "prob_bits", "num_words"
 
 
 def build_quantization_config(importer, modules: Dict[str, dict], layers_in_float: List[str]) -> dict:
@@ -60,11 +61,19 @@ def validate_quantization_config(qc: dict) -> Dict[str, dict]:
         raise CheckpointError("torch_marlin quantization_config has no 'modules' table")
     for name, entry in modules.items():
         try:
-            formats.check_weight_format(entry["weight_format"])
-            formats.check_group_size(entry["group_size"])
             layout = entry.get("layout", "dense")
             if layout not in LAYOUTS:
                 raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+            if layout == "rans":
+                RansQuantizedWeight.check_arguments(entry["weight_format"], entry["group_size"])
+                if isinstance(entry["num_words"], bool) or not isinstance(entry["num_words"], int) \
+                        or entry["num_words"] < 0:
+                    raise ValueError(f"num_words must be an int >= 0, got {entry['num_words']!r}")
+                rans.check_chunk_k(entry["chunk_k"])
+                rans.check_prob_bits(entry["prob_bits"])
+            else:
+                formats.check_weight_format(entry["weight_format"])
+                formats.check_group_size(entry["group_size"])
             layout_for_sparsity(entry.get("sparsity"))
             for key in ("in_features", "out_features") + (("num_experts",) if layout == "experts" else ()):
                 if isinstance(entry[key], bool) or not isinstance(entry[key], int) or entry[key] <= 0:

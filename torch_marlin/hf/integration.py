@@ -94,6 +94,8 @@ def marlin_config(**kwargs):
 
 def _define_classes():
     from transformers.quantizers.base import HfQuantizer
+
+    from ..layouts.rans import GRID
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
     class MarlinConfig(QuantizationConfigMixin):
@@ -107,8 +109,9 @@ def _define_classes():
         def __init__(self, weight_format: str = "fp4", group_size: int = 128, quantizer: str = "mse",
                      modules_to_not_convert: Optional[List[str]] = None, modules: Optional[dict] = None,
                      format_version: int = FORMAT_VERSION, source: Optional[dict] = None, **kwargs):
-            formats.check_weight_format(weight_format)
-            formats.check_group_size(group_size)
+            if modules is None or weight_format != GRID:  # "grid" only names converted entropy-coded layers
+                formats.check_weight_format(weight_format)
+                formats.check_group_size(group_size)
             if quantizer not in quantizer_names():  # quantize-on-load has no calibration data
                 raise ValueError(f"quantizer must be one of {quantizer_names()}, got {quantizer!r}")
             if modules_to_not_convert is not None and not all(isinstance(m, str) for m in modules_to_not_convert):

@@ -52,7 +52,8 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
         kwargs["dtype"] = dtype
     model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
     missing = [k for k in info.get("missing_keys", []) if not k.endswith(("position_ids", "inv_freq"))]
-    quantized_missing = [k for k in missing if k.endswith((".packed", ".scales", ".zeros", ".input_perm"))]
+    quantized_missing = [k for k in missing if k.endswith((".packed", ".scales", ".zeros", ".input_perm", ".words",
+                                                                ".word_offsets", ".states", ".freqs"))]
     if quantized_missing:
         raise CheckpointError(f"{path}: quantized tensors missing from the checkpoint: {quantized_missing[:5]}")
     mismatched = info.get("mismatched_keys", [])

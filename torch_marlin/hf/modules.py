@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..experts import MarlinExperts, MarlinExpertsLinear, UnsupportedExperts
+from ..layouts import RansQuantizedWeight
 from ..linear import MarlinLinear, PermutedInputMarlinLinear, QuantizedModule
 from ..model import quantize_model
 from .errors import CheckpointError
@@ -83,8 +84,12 @@ def empty_marlin(entry: dict, bias: bool = False, device="meta", dtype=None) -> 
         return MarlinExpertsLinear(entry["num_experts"], entry["in_features"], entry["out_features"], bias,
                                    entry["weight_format"], entry["group_size"], device=device, dtype=dtype)
     cls = PermutedInputMarlinLinear if entry.get("act_order") else MarlinLinear
+    coded = {}
+    if entry.get("layout") == "rans":  # entropy-coded: the stream's length makes the buffers' shapes
+        coded = {"layout": RansQuantizedWeight, "chunk_k": entry["chunk_k"], "prob_bits": entry["prob_bits"],
+                 "num_words": entry["num_words"]}
     return cls(entry["in_features"], entry["out_features"], bias, entry["weight_format"], entry["group_size"],
-               device=device, dtype=dtype, sparsity=entry.get("sparsity"))
+               device=device, dtype=dtype, sparsity=entry.get("sparsity"), **coded)
 
 
 def layout_state(entry: dict) -> torch.Tensor:
@@ -158,6 +163,8 @@ def modules_table(model: nn.Module, report) -> Dict[str, dict]:
             table[name]["act_order"] = True
         if layer.quantized_weight().SPARSITY is not None:
             table[name]["sparsity"] = layer.quantized_weight().SPARSITY
+        if isinstance(layer.quantized_weight(), RansQuantizedWeight):
+            table[name].update(layout="rans", **layer.quantized_weight().shape_options())
     for name in report.experts_replaced:
         for param, stack in model.get_submodule(name).stacks().items():
             table[f"{name}.{param}"] = {"layout": "experts", "num_experts": stack.num_experts, **_table_entry(stack)}

@@ -131,6 +131,11 @@ class QuantizedLayout:
         formats.check_weight_format(weight_format)
         formats.check_group_size(group_size)
 
+    @classmethod
+    def knows_format_number(cls, number: int) -> bool:
+        """Whether a descriptor's format number is one this layout reads."""
+        return 0 <= number < len(formats.WEIGHT_FORMATS)
+
     def options(self) -> dict:
         """Layout-specific constructor fields beyond the common ones (a module keeps them)."""
         return {}

@@ -212,6 +212,10 @@ class RansQuantizedWeight(QuantizedLayout):
         return [self.LAYOUT_CODE, number, self.group_size, self.in_features, self.chunk_k, self.prob_bits]
 
     @classmethod
+    def knows_format_number(cls, number: int) -> bool:
+        return number == GRID_FORMAT_NUMBER or super().knows_format_number(number)
+
+    @classmethod
     def describe_extra(cls, text: str, extra: List[int]) -> str:
         text = text.replace(f"#{GRID_FORMAT_NUMBER}", repr(GRID))
         if len(extra) == 2:

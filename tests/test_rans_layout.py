@@ -1,0 +1,199 @@
+"""The entropy-coded layout (RansQuantizedWeight) and its quantizers: lossless coding of
+dense weights, the rate-controlled grid (quantize_model(bits=), from_linear(bits=)),
+state_dict round trips and bad input."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torch_marlin as tm
+from torch_marlin import formats, rans
+from torch_marlin.layouts import QuantizedWeight, RansQuantizedWeight
+from torch_marlin.layouts.rans import has_ops
+
+FORMATS = ["fp4", "uint4", "int4", "nf4", "affine"]
+
+
+def _model(seed=0):
+    """Layers with bell-shaped weights (as trained ones are; nn.Linear's uniform init is not)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 384), nn.GELU(), nn.Linear(384, 256), nn.GELU(), nn.Linear(256, 100))
+    with torch.no_grad():
+        for layer in model[::2]:
+            layer.weight.copy_(torch.distributions.Laplace(0.0, 0.03).sample(layer.weight.shape))
+    return model
+
+
+def _grid_bits(model, names):
+    layers = [model.get_submodule(n).quantized_weight() for n in names]
+    return sum(8 * q.nbytes for q in layers) / sum(q.num_weights for q in layers)
+
+
+@pytest.mark.parametrize("weight_format", FORMATS)
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_lossless_coding_gives_the_dense_codes_and_results(weight_format, group_size):
+    torch.manual_seed(1)
+    linear = nn.Linear(100, 45)  # K not a multiple of chunk_k or of the group, N not of 32
+    dense = tm.MarlinLinear.from_linear(linear, weight_format, group_size)
+    q = dense.quantized_weight()
+    coded = RansQuantizedWeight.from_dense(q, chunk_k=64 if group_size == 32 else 32)
+    codes = formats.unpack_codes(q.packed)[:100]
+    assert torch.equal(coded.symbols(), codes)
+    assert torch.equal(coded.dequantize(torch.float64), q.dequantize(torch.float64))
+    assert torch.equal(coded.weight(), q.weight())
+    module = tm.MarlinLinear.from_quantized(coded, dense.bias.detach())
+    x = torch.randn(5, 100)
+    if has_ops():  # the op's arithmetic contract is the dense op's
+        assert torch.equal(module(x), dense(x))
+    else:
+        torch.testing.assert_close(module(x), dense(x), rtol=1e-5, atol=1e-5)
+    assert coded.nbytes == sum(t.numel() * t.element_size() for t in coded.tensors().values())
+
+
+def test_state_dict_round_trip_and_guard():
+    torch.manual_seed(2)
+    linear = nn.Linear(64, 40)
+    module = tm.MarlinLinear.from_linear(linear, bits=4.0)
+    assert module.weight_format == "grid" and module.group_size == -1
+    fresh = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight)
+    assert fresh.words.numel() == 0
+    fresh.load_state_dict(module.state_dict())  # takes the saved stream's length
+    x = torch.randn(3, 64)
+    assert torch.equal(fresh(x), module(x))
+    assert fresh.get_extra_state().tolist() == [4, 64, -1, 64, 64, rans.DEFAULT_PROB_BITS]
+    other = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight, prob_bits=14)
+    with pytest.raises(ValueError, match="prob_bits=12"):
+        other.load_state_dict(module.state_dict())
+    dense = tm.MarlinLinear(64, 40, True, "fp4", 32)
+    with pytest.raises(ValueError, match="layout='rans'"):
+        dense.load_state_dict(module.state_dict(), strict=False)
+
+
+def test_loading_a_corrupt_stream_is_refused():
+    torch.manual_seed(3)
+    module = tm.MarlinLinear.from_linear(nn.Linear(64, 40), bits=4.0)
+    state = module.state_dict()
+    state["freqs"] = state["freqs"].clone()
+    state["freqs"][128] += 1
+    fresh = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight)
+    with pytest.raises(ValueError, match="freqs must sum to 2\\^prob_bits"):
+        fresh.load_state_dict(state)
+    state = module.state_dict()
+    state["word_offsets"] = state["word_offsets"].clone()
+    state["word_offsets"][-1] = state["words"].numel() + 5
+    with pytest.raises(ValueError, match="word_offsets"):
+        tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight).load_state_dict(state)
+    state = module.state_dict()
+    state["words"] = state["words"][:-1].clone()  # truncated: decoding finds it
+    fresh = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight)
+    with pytest.raises(ValueError):
+        fresh.load_state_dict(state)
+        fresh(torch.randn(1, 64))
+
+
+@pytest.mark.parametrize("bits", [4.125, 3.125])
+def test_quantize_model_bits_meets_the_target(bits):
+    model = _model()
+    x = torch.randn(16, 256)
+    ref = model(x)
+    report = tm.quantize_model(model, bits=bits)
+    names = ["0", "2", "4"]
+    assert report.replaced == names
+    assert _grid_bits(model, names) <= bits
+    assert _grid_bits(model, names) > bits - 0.1  # the budget is used, not wasted
+    assert set(report.bits_per_layer) == set(names) and "bits per weight per layer" in str(report)
+    for name in names:  # the reported error is the weight's
+        layer = model.get_submodule(name)
+        assert layer.quantized_weight().weight_format == "grid"
+        w = _model().get_submodule(name).weight
+        err = float((layer.dequantize() - w.detach()).norm() / w.detach().norm())
+        assert abs(err - report.relative_errors[name]) < 1e-4
+    # Better than the fixed 4-bit format of the same size (int4 g128: 4.125 bits per weight).
+    if bits >= 4.125:
+        dense = _model()
+        tm.quantize_model(dense, "int4", 128)
+        with torch.no_grad():
+            assert (model(x) - ref).norm() < (dense(x) - ref).norm()
+
+
+def test_grid_round_to_nearest_on_the_steps():
+    """Without rate-aware rounding every code is the nearest grid point of its weight."""
+    torch.manual_seed(4)
+    linear = nn.Linear(128, 64)
+    module = tm.MarlinLinear.from_linear(linear, bits=3.5)
+    q = module.quantized_weight()
+    steps = q.scales.float()[0]
+    sym = q.symbols().long() - 128
+    expected = torch.round(linear.weight.detach().t() / steps).clamp(-127, 127)
+    assert torch.equal(sym, expected.long())
+
+
+def test_gptq_on_the_grid_beats_round_to_nearest_on_its_hessian():
+    linear = _model(5)[0]
+    x = torch.randn(2048, 256) @ torch.randn(256, 256)  # correlated inputs
+    h = x.t() @ x / x.shape[0]
+    rtn = tm.MarlinLinear.from_linear(linear, bits=3.5)
+    gptq = tm.MarlinLinear.from_linear(linear, method="gptq", hessian=h, bits=3.5)
+    w = linear.weight.detach()
+    out_err = lambda m: float(((m.dequantize() - w) @ x.t()).norm() / (w @ x.t()).norm())
+    assert _grid_bits(gptq, [""]) <= 3.5
+    assert out_err(gptq) < 0.8 * out_err(rtn)
+
+
+def test_quantize_model_gptq_bits():
+    model = _model()
+    calibration = [torch.randn(64, 256) for _ in range(8)]
+    report = tm.quantize_model(model, bits=3.5, method="gptq", calibration=calibration)
+    assert _grid_bits(model, report.replaced) <= 3.5
+    assert set(report.output_errors) == set(report.replaced)
+
+
+def test_lossless_entropy_code_model():
+    model, dense = _model(), _model()
+    tm.quantize_model(dense, "int4", 32)
+    report = tm.quantize_model(model, "int4", 32, entropy_code=True)
+    x = torch.randn(4, 256)
+    for name in report.replaced:
+        coded = model.get_submodule(name).quantized_weight()
+        assert isinstance(coded, RansQuantizedWeight)
+        ref = dense.get_submodule(name).quantized_weight()
+        assert torch.equal(coded.dequantize(torch.float64), ref.dequantize(torch.float64))
+    torch.testing.assert_close(model(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="bits must be a number of bits per weight"):
+        tm.quantize_model(_model(), bits=0.5)
+    with pytest.raises(ValueError, match="bits must be"):
+        tm.MarlinLinear.from_linear(nn.Linear(32, 32), bits=float("nan"))
+    with pytest.raises(ValueError, match="bits= selects the grid"):
+        tm.quantize_model(_model(), "int4", 32, bits=3.5)
+    with pytest.raises(ValueError, match="exclude each other"):
+        tm.quantize_model(_model(), bits=3.5, entropy_code=True)
+    with pytest.raises(ValueError, match="group_size must be -1 for weight_format='grid'"):
+        tm.MarlinLinear(32, 32, True, "grid", 128, layout=RansQuantizedWeight)
+    with pytest.raises(ValueError, match="weight_format must be one of"):
+        tm.MarlinLinear(32, 32, True, "grid", -1)  # the dense layout has no grid
+    with pytest.raises(ValueError, match="method must be 'rtn'"):
+        tm.MarlinLinear.from_linear(nn.Linear(32, 32), method="absmax", bits=3.5)
+    with pytest.raises(ValueError, match="hessian"):
+        tm.MarlinLinear.from_linear(nn.Linear(32, 32), method="gptq", bits=3.5)
+    with pytest.raises(ValueError, match="made by the rate-controlled quantizer"):
+        RansQuantizedWeight.from_float(torch.randn(8, 32), "grid", -1)
+    with pytest.raises(ValueError, match="chunk_k must be a multiple of group_size"):
+        RansQuantizedWeight.from_dense(tm.MarlinLinear.from_linear(nn.Linear(256, 32), "fp4", 128)
+                                       .quantized_weight(), chunk_k=96)
+
+
+def test_expert_stacks_are_refused():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=96,
+                                         moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="expert stacks are not entropy-coded.*model.layers.0.mlp.experts"):
+        tm.quantize_model(model, bits=3.5)
+    report = tm.quantize_model(model, bits=3.5, exclude=["experts", "lm_head"])
+    assert "model.layers.0.self_attn.q_proj" in report.replaced
