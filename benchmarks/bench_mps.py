@@ -167,7 +167,7 @@ def report_estimates(fmt, gs):
             busy, share, nbytes = gemv_bound(chip, fmt, gs, m, dt)
             us = 4096 * 4096 * nbytes / (gbs * 1e9 * share) * 1e6
             cells.append(f"{busy * 100:4.0f}% ->{share * 100:4.0f}% {us:5.1f}us")
-        print(f"{chip:12} {cores:5d} {gbs:5d} {ghz:6.3f}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{chip:12} {cores:5d} {gbs:5g} {ghz:6.3f}" + "".join(f"{c:>22}" for c in cells))
     print("# GEMMs at N = K = 4096: estimated share of FP32 peak spent in MMAs (memory or decode-limited below)")
     print(f"{'chip':12}" + "".join(f"{f'{k} M={m}':>16}" for k, m in (("fused", 16), ("fused", 64), ("tiled", 256),
                                                                        ("tiled", 4096))))
