@@ -82,7 +82,7 @@ inline RansTable rans_build_table(threadgroup RansEntry* mem, const device ushor
       const uint s = base + lane;
       const uint f = s < S ? uint(freqs[s]) : 0u;  // S = 16: half a simdgroup
       const uint cum = carry + simd_prefix_exclusive_sum(f);
-      if (s < S) mem[s] = RansEntry(ushort(f), ushort(cum), as_type<ushort>(half(V::raw(s))), 0);
+      if (s < S) mem[s] = RansEntry(ushort(f), ushort(cum), as_type<ushort>(half(V::raw(s))), ushort(0));
       carry += simd_sum(f);
     }
   }

@@ -64,6 +64,7 @@ def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bi
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     ref = x.double() @ weight + (b.double() if bias else 0.0)
     args = gemm_args(x, stream, scales, zeros, b, fmt, k, chunk_k, prob_bits, group_size)
+    cpu = torch.ops.marlin.rans_gemm(*args)
     for seed in SEEDS:
         out, plan, stats = run_metal_with_stats("rans_gemm", *args, seed=seed)
         assert out.shape == ref.shape and out.dtype == dtype
@@ -75,6 +76,7 @@ def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bi
             assert st.threadgroup_memory == launch["threadgroup_memory"] <= 32768
         err = rel_err(out, ref)
         assert err <= GEMM_TOL[dtype], (fmt, dtype, m, n, k, chunk_k, group_size, seed, err)
+        assert rel_err(out, cpu) <= GEMM_TOL[dtype]  # the CPU op agrees
     return plan
 
 
@@ -207,6 +209,8 @@ def test_corrupted_streams_give_nan_for_the_bad_chunk(m):
         corrupt = dataclasses.replace(stream, words=words, word_offsets=offsets)
         out = run_metal_with_stats("rans_gemm", *gemm_args(x, corrupt, scales, None, None, "int4", K_BAD, CHUNK_BAD,
                                                             12, 32))[0]
+        with pytest.raises(ValueError, match="corrupted rans stream|word_offsets"):  # the CPU op raises instead
+            torch.ops.marlin.rans_gemm(*gemm_args(x, corrupt, scales, None, None, "int4", K_BAD, CHUNK_BAD, 12, 32))
         bad_columns = mask.any(0)
         assert torch.isnan(out[:, bad_columns]).all(), name
         assert not torch.isnan(out[:, ~bad_columns]).any(), name
