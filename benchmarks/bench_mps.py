@@ -20,7 +20,14 @@ With --sparse: the 2:4 sparse layout (torch.ops.marlin.sparse24_gemm) against
 the dense layout of the same format, the same way (plan traffic everywhere,
 median times on a Mac).
 
+With --rans: the entropy-coded layout (torch.ops.marlin.rans_gemm, lossless
+codes of the format at --rans-bits bits per weight) against the dense layout:
+its plans everywhere, with --estimates the accounting of docs/KERNELS.md
+("Entropy-coded layout") and the M = 1 bound per chip class, median times of
+both on a Mac (the same codes, coded and packed).
+
     python3 benchmarks/bench_mps.py [--format fp4] [--group-size 128] [--plan-only] [--estimates] [--sparse]
+                                    [--rans [--rans-bits 3.8]]
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ DTYPE_SIZE = {"f16": 2, "bf16": 2, "f32": 4}
 # x 2 flops x clock), M2 from metal-benchmarks (philipturner), M3/M4 assumed.
 # Every ALU figure below scales linearly with the clock.
 CHIPS = {  # name: (GPU cores, bandwidth GB/s, GPU clock GHz, clock source)
+    "M1": (8, 68.25, 1.27, "Apple 2.6 TFLOPS"),
+    "M2": (10, 100, 1.398, "Apple 3.6 TFLOPS"),
+    "M3": (10, 100, 1.4, "assumed"),
+    "M4": (10, 120, 1.4, "assumed"),
     "M1 Pro": (16, 200, 1.27, "Apple 5.2 TFLOPS"),
     "M1 Max": (32, 400, 1.27, "Apple 10.4 TFLOPS"),
     "M2 Pro": (19, 200, 1.398, "metal-benchmarks"),
@@ -156,7 +167,7 @@ def report_estimates(fmt, gs):
             busy, share, nbytes = gemv_bound(chip, fmt, gs, m, dt)
             us = 4096 * 4096 * nbytes / (gbs * 1e9 * share) * 1e6
             cells.append(f"{busy * 100:4.0f}% ->{share * 100:4.0f}% {us:5.1f}us")
-        print(f"{chip:12} {cores:5d} {gbs:5d} {ghz:6.3f}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{chip:12} {cores:5d} {gbs:5g} {ghz:6.3f}" + "".join(f"{c:>22}" for c in cells))
     print("# GEMMs at N = K = 4096: estimated share of FP32 peak spent in MMAs (memory or decode-limited below)")
     print(f"{'chip':12}" + "".join(f"{f'{k} M={m}':>16}" for k, m in (("fused", 16), ("fused", 64), ("tiled", 256),
                                                                        ("tiled", 4096))))
@@ -444,6 +455,124 @@ def bench_sparse_device(fmt, gs, cache_bytes=256 << 20):
             print(f"{name:24} {m:5d} {t_d:8.3f} {t_s:8.3f} {t_d / t_s:6.2f}")
 
 
+# --- entropy-coded layout (metal/rans_*.h): counted per decoded weight from the
+# source (docs/KERNELS.md, "Entropy-coded layout", lists each instruction).
+# RansChunk::next per lane and step (prob_bits <= 12): full rate: slot and, the
+# uniform bucket-shift test, 2 threadgroup addresses, 2 adds (+ slot - cum),
+# need compare, ptr + rank, the refill (compare, word address, select, the two
+# 16-bit halves, bad flag), ptr += total; quarter rate: x >> prob_bits and the
+# 32-bit multiply; 2 simd collectives (prefix sum, sum). The 16-bit entry
+# fields and the half raw value are free instruction sources.
+RANS_NEXT = (14, 2, 2)  # (simple, complex, simd collectives)
+
+
+def rans_gemv_costs(fmt, gs, m, bits, dtype="f16"):
+    """rans_gemv: (simple, complex, simd, DRAM bytes) per weight for M = m rows at `bits` coded bits per
+    weight. Per step besides the decode: x pointer and loop (3); per row an fma, the x address (rows > 1),
+    the sum of x (formats with zeros), a bf16 conversion; per group the scale (negligible)."""
+    simple, complex_, simd = RANS_NEXT
+    per_row = 1 + (1 if has_zeros(fmt) else 0)
+    simple += 3 + m * per_row + (m - 1)
+    complex_ += m if dtype == "bf16" else 0
+    return simple, complex_, simd, bits / 8 + param_bytes(fmt, gs)
+
+
+def rans_gemm_costs(fmt, gs, bits, tm=32):
+    """rans_gemm: (simple, complex, simd, MMA lane-FMAs, bytes) per weight and M tile: the decode (+ loop 3,
+    the raw half's Bt address 1), the fp32 dequant of the fragment (uint4: sub + mul), the MMAs."""
+    simple, complex_, simd = RANS_NEXT
+    simple += 3 + 1 + (2 if fmt == "uint4" else 1)
+    return simple, complex_, simd, tm / MMA_EFFICIENCY, bits / 8 + param_bytes(fmt, gs)
+
+
+def rans_weights_per_s(chip, simple, complex_, simd, nbytes, simd_cycles=1):
+    """Weights per second at the chip's bandwidth or ALU limit (simd collectives as `simd_cycles`
+    quarter-rate instructions each)."""
+    bw, simple_rate, complex_rate = _chip_rates(chip)
+    return min(bw / nbytes, simple_rate / simple, complex_rate / (complex_ + simd * simd_cycles))
+
+
+def report_rans_estimates(fmt, gs, bits):
+    print(f"# entropy-coded layout: estimated bounds (not measurements), lossless {fmt} codes at {bits} bits per "
+          f"weight, group_size={gs}, fp16 x")
+    for m in (1, 8):
+        s, c, q, nbytes = rans_gemv_costs(fmt, gs, m, bits)
+        print(f"# rans_gemv M={m}: {nbytes:.4f} DRAM bytes, {s} full-rate + {c} quarter-rate instructions + {q} simd "
+              "collectives per weight")
+    s, c, q, mma, nbytes = rans_gemm_costs(fmt, gs, bits)
+    print(f"# rans_gemm per 32-row tile: {nbytes:.4f} bytes, {s} + {c} + {q} collectives per weight, "
+          f"+ {mma:.0f} MMA lane-fma cycles")
+    print("# M = 1, 4096 x 4096: dense marlin_gemv against rans_gemv (collectives at 1 / 4 quarter-rate cycles)")
+    print(f"{'chip':12} {'cores':>5} {'GB/s':>6} {'GHz':>6} {'dense us':>9} {'rans us':>13} {'rans / dense':>13}")
+    weights = 4096 * 4096
+    for chip, (cores, gbs, ghz, _) in CHIPS.items():
+        busy, share, dense_bytes = gemv_bound(chip, fmt, gs, 1)
+        t_dense = weights * dense_bytes / (gbs * 1e9 * share) * 1e6
+        costs = rans_gemv_costs(fmt, gs, 1, bits)
+        t_rans = [weights / rans_weights_per_s(chip, *costs, simd_cycles=k) * 1e6 for k in (1, 4)]
+        print(f"{chip:12} {cores:5d} {gbs:6.1f} {ghz:6.3f} {t_dense:9.1f} {t_rans[0]:6.1f}-{t_rans[1]:<6.1f} "
+              f"{t_rans[0] / t_dense:6.1f}-{t_rans[1] / t_dense:.1f}x")
+
+
+def rans_meta_inputs(m, n, k, fmt, gs, dtype, bits, chunk_k=1024, device="meta"):
+    """Meta tensors of a rans_gemm call (words sized for `bits` per weight)."""
+    x, _, scales, zeros = meta_inputs(m, n, k, fmt, gs, dtype, device)
+    chunks = -(-n // 32) * -(-k // chunk_k)
+    e = lambda *shape, dt: torch.empty(*shape, dtype=dt, device=device)  # noqa: E731
+    return (x, e(int(k * n * bits / 16), dt=torch.int16), e(chunks + 1, dt=torch.int32),
+            e(chunks, 32, dt=torch.int32), e(16, dt=torch.int16), scales, zeros, None, fmt, k, chunk_k, 12, gs)
+
+
+def report_rans_plans(fmt, gs, bits, dtype=torch.float16):
+    print(f"# entropy-coded layout plans, lossless {fmt} codes, group_size={gs}, {bits} bits per weight, {dtype}")
+    print(f"{'shape':24} {'M':>5} {'kernels':30} {'grid':>12} {'tg mem':>7} {'splits':>6}")
+    for name, (n, k) in SHAPES.items():
+        for m in M_VALUES:
+            plan = metal_plan("rans_gemm", *rans_meta_inputs(m, n, k, fmt, gs, dtype, bits))
+            kernels = "+".join(l["kernel"] for l in plan["launches"])
+            grid = "x".join(map(str, plan["launches"][0]["grid"]))
+            tg = max(l["threadgroup_memory"] for l in plan["launches"])
+            print(f"{name:24} {m:5d} {kernels:30} {grid:>12} {tg:7d} {plan['splits']:6d}")
+
+
+def bench_rans_device(fmt, gs, cache_bytes=256 << 20):
+    """Median ms of rans_gemm against gemm on MPS for the same codes (peaked, like trained weights'
+    codes), coded losslessly and packed; rotating copies of both."""
+    from torch_marlin import rans
+    from torch_marlin.formats import pack_codes
+
+    dev = "mps"
+    print(f"# MPS timings, entropy-coded (lossless) vs dense, format={fmt}, group_size={gs}, fp16 x (median ms)")
+    print(f"{'shape':24} {'M':>5} {'bits/w':>7} {'dense':>8} {'rans':>8} {'rans/dense':>11}")
+    for name, (n, k) in SHAPES.items():
+        probs = torch.softmax(-0.35 * (torch.arange(16.0) - 7.5).abs(), 0)
+        codes = torch.multinomial(probs, k * n, replacement=True).view(k, n)
+        stream = rans.encode_codes(codes, fmt, rans.DEFAULT_CHUNK_K, rans.DEFAULT_PROB_BITS, gs)
+        groups = k // gs if gs != -1 else 1
+        scales = torch.rand(groups, n, dtype=torch.float16, device=dev)
+        zeros = torch.rand(groups, n, dtype=torch.float16, device=dev) * 15 if has_zeros(fmt) else None
+        copies = max(2, min(32, math.ceil(cache_bytes / (k // 8 * n * 4))))
+        packed = [pack_codes(codes).to(dev) for _ in range(copies)]
+        coded = [[t.to(dev) for t in stream.tensors().values()] for _ in range(copies)]
+        bits = stream.nbytes * 8 / (k * n)
+        for m in M_VALUES:
+            x = torch.randn(m, k, dtype=torch.float16, device=dev)
+            it = [0, 0]
+
+            def dense():
+                it[0] += 1
+                return torch.ops.marlin.gemm(x, packed[it[0] % copies], scales, zeros, None, fmt, gs)
+
+            def coded_gemm():
+                it[1] += 1
+                w, o, st, f = coded[it[1] % copies]
+                return torch.ops.marlin.rans_gemm(x, w, o, st, f, scales, zeros, None, fmt, k, rans.DEFAULT_CHUNK_K,
+                                                  rans.DEFAULT_PROB_BITS, gs)
+
+            t_d, t_r = _median_ms(dense), _median_ms(coded_gemm)
+            print(f"{name:24} {m:5d} {bits:7.3f} {t_d:8.3f} {t_r:8.3f} {t_r / t_d:11.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--format", default="fp4", choices=WEIGHT_FORMATS)
@@ -452,17 +581,26 @@ def main():
     ap.add_argument("--estimates", action="store_true", help="the per-chip bounds of docs/KERNELS.md")
     ap.add_argument("--peak-gbs", type=float, help="the chip's DRAM bandwidth, when it is not detected")
     ap.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
+    ap.add_argument("--rans", action="store_true", help="entropy-coded (lossless) against dense of the same format")
+    ap.add_argument("--rans-bits", type=float, default=3.8, help="--rans: coded bits per weight of the estimates")
     args = ap.parse_args()
-    (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
-    if args.estimates:
-        report_estimates(args.format, args.group_size)
-        report_banks()
+    if args.rans:
+        report_rans_plans(args.format, args.group_size, args.rans_bits)
+        if args.estimates:
+            report_rans_estimates(args.format, args.group_size, args.rans_bits)
+    else:
+        (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
+        if args.estimates:
+            report_estimates(args.format, args.group_size)
+            report_banks()
     mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     if mps and not args.plan_only:
         if not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm", "MPS"):
             print("torch_marlin was built without the MPS bridge: no device timings")
             return
-        if args.sparse:
+        if args.rans:
+            bench_rans_device(args.format, args.group_size)
+        elif args.sparse:
             bench_sparse_device(args.format, args.group_size)
         else:
             bench_device(args.format, args.group_size, args.peak_gbs)
