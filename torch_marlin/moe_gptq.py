@@ -71,7 +71,7 @@ def check_experts_options(group_size: int, act_order: bool = False, **_) -> None
 
 
 def routed_inputs(calls) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(x float64 [T, H], top_k_index int64 [T, top_k]) of the kept calls of an experts module,
+    """(x float32 [T, H], top_k_index int64 [T, top_k]) of the kept calls of an experts module,
     forward(hidden_states, top_k_index, top_k_weights); padded tokens (the batch's
     attention mask, when hidden_states has one row per position) are left out."""
     xs, ids = [], []
@@ -84,7 +84,7 @@ def routed_inputs(calls) -> Tuple[torch.Tensor, torch.Tensor]:
         if call.mask is not None and call.mask.numel() == x.shape[0]:
             keep = call.mask.reshape(-1).to(x.device)
             x, index = x[keep], index[keep]
-        xs.append(x.double().cpu())
+        xs.append(x.float().cpu())
         ids.append(index.long().cpu())
     return torch.cat(xs), torch.cat(ids)
 
@@ -108,7 +108,7 @@ def _relative(error: float, reference: float) -> float:
     return math.sqrt(max(error, 0.0) / reference) if reference > 0 else 0.0
 
 
-def _quantize_expert(w, rows, weight_format, group_size, options, warn):
+def _quantize_expert(w, rows, weight_format, group_size, options, warn, shrink_rare):
     """(QuantizedWeight, ExpertError, (rtn, gptq error, reference traces)) of one expert's weight w [N, K]
     on its routed input rows [n, K]."""
     rtn = quantize_weight(w, weight_format, group_size, "mse")
@@ -116,22 +116,23 @@ def _quantize_expert(w, rows, weight_format, group_size, options, warn):
     if n == 0:
         return rtn, ExpertError(0, "rtn", math.nan, math.nan), (0.0, 0.0, 0.0)
     h = (rows.t() @ rows) / n
-    result = gptq_quantize(w, shrunk_hessian(h, n), weight_format, group_size, **options)
+    result = gptq_quantize(w, shrunk_hessian(h, n) if shrink_rare else h, weight_format, group_size, **options)
     warn(result.damp)
     q = result.qweight
     rtn_err, reference = _traces(w, rtn.dequantize(torch.float64), h)
     gptq_err, _ = _traces(w, q.dequantize(torch.float64), h)
-    rule = "gptq" if n >= k else "gptq-shrunk"
+    rule = "gptq" if n >= k or not shrink_rare else "gptq-shrunk"
     entry = ExpertError(n, rule, _relative(rtn_err, reference), _relative(gptq_err, reference))
     return q, entry, (n * rtn_err, n * gptq_err, n * reference)
 
 
 def calibrate_experts(source: nn.Module, calls, weight_format: str = "fp4", group_size: int = 128,
-                      name: str = "experts", **options) -> Tuple[MarlinExperts, Dict[str, List[ExpertError]],
+                      name: str = "experts", shrink_rare: bool = True, **options) -> Tuple[MarlinExperts, Dict[str, List[ExpertError]],
                                                                  Dict[str, Tuple[float, float]]]:
     """GPTQ for every stack of a transformers experts module on its kept calibration calls
     (see the module docstring). Returns (the MarlinExperts, {stack: [ExpertError per expert]},
-    {stack: (round to nearest, GPTQ) relative output error over all its routed tokens})."""
+    {stack: (round to nearest, GPTQ) relative output error over all its routed tokens}).
+    shrink_rare=False gives experts with fewer than K tokens plain GPTQ (the benchmark's comparison)."""
     check_experts_options(group_size, **options)
     structure = experts_structure(source)
     device = getattr(source, structure.stacks[0][0]).device
@@ -154,10 +155,11 @@ def calibrate_experts(source: nn.Module, calls, weight_format: str = "fp4", grou
     sums = {first: [0.0, 0.0, 0.0], down: [0.0, 0.0, 0.0]}
     gate = module._apply_gate if structure.has_gate else module.act_fn
     for e in range(structure.num_experts):
-        rows = x[(ids == e).any(-1)]  # a token routed twice to one expert counts once
+        rows = x[(ids == e).any(-1)].double()  # a token routed twice to one expert counts once
         inputs = rows
         for stack in (first, down):
-            q, entry, traces = _quantize_expert(weights[stack][e], inputs, weight_format, group_size, options, warn)
+            q, entry, traces = _quantize_expert(weights[stack][e], inputs, weight_format, group_size, options, warn,
+                                                shrink_rare)
             parts[stack].append(q)
             errors[stack].append(entry)
             sums[stack] = [a + b for a, b in zip(sums[stack], traces)]
