@@ -129,8 +129,9 @@ def _looks_like_cache(value) -> bool:
 
 
 @dataclass
-class _BlockCall:
-    """One batch's call of the current block: what to run it with again."""
+class ModuleCall:
+    """One batch's call of a module (the current block, or a module quantized on its kept
+    inputs): its arguments and the batch's attention mask."""
 
     args: tuple
     kwargs: dict
@@ -193,7 +194,7 @@ class _Runner:
                 h.remove()
             self.stats.seconds_forward += time.perf_counter() - start
 
-    def run_block(self, block: nn.Module, calls: List[_BlockCall], hooks: Dict[nn.Module, Callable],
+    def run_block(self, block: nn.Module, calls: List[ModuleCall], hooks: Dict[nn.Module, Callable],
                   keep_outputs: bool = False) -> list:
         """Every batch's stored call of one block; returns the outputs if asked."""
         handles = self._hooked(hooks)
@@ -240,7 +241,7 @@ def _candidate_blocks(model: nn.Module, targets: Dict[str, nn.Module]):
     return (best[1], best[2]) if best else (None, None)
 
 
-def _discover(runner: _Runner, model: nn.Module, targets: Dict[str, nn.Module]) -> _Discovery:
+def _discover(runner: _Runner, model: nn.Module, targets: Dict[str, nn.Module], alone=frozenset()) -> _Discovery:
     """One full pass over the batches: first-call order, rows seen and calls per batch of every
     target, which consecutive calls share their input tensor, and whether the candidate blocks
     can be run one by one (each called once, in order, fed by the previous one's output)."""
@@ -273,9 +274,11 @@ def _discover(runner: _Runner, model: nn.Module, targets: Dict[str, nn.Module]) 
             block_of[name] = where
             if name not in shares_previous:
                 # Same tensor as the call just before, and that call was the previous new layer.
-                shares_previous[name] = last["input"] is x and bool(order) and last["name"] == order[-1]
+                shares_previous[name] = (last["input"] is x and bool(order) and last["name"] == order[-1]
+                                         and name not in alone)
                 order.append(name)
-            last["input"], last["name"] = x, name
+            # A module quantized on its kept inputs is a step of its own.
+            last["input"], last["name"] = (None if name in alone else x), name
         return hook
 
     def block_pre_hook(index):
@@ -386,7 +389,9 @@ def _dense_stand_in(quantized: nn.Module, linear: nn.Module) -> nn.Linear:
 def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calibration: Iterable,
                           quantize_layer: Callable[[str, nn.Module, torch.Tensor], nn.Module],
                           quantize_unreached: Callable[[str, nn.Module], nn.Module],
-                          use_blocks: bool = True) -> CalibrationStats:
+                          use_blocks: bool = True,
+                          quantize_on_inputs: Optional[Callable[[str, nn.Module, List["ModuleCall"]], nn.Module]] = None,
+                          on_inputs: Iterable[str] = ()) -> CalibrationStats:
     """Quantize `targets` ({qualified name: nn.Linear or Conv1D of `model`}) in forward order.
 
     quantize_layer(name, linear, hessian) returns the replacement module (a MarlinLinear,
@@ -395,10 +400,17 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
     the same function, computed by the float GEMM, which is faster than the 4-bit
     kernel on calibration-sized batches. Layers the calibration never reaches are
     replaced by quantize_unreached(name, linear) and listed in the stats, with a warning.
-    use_blocks=False forces the generic way (the tests compare the two)."""
+    use_blocks=False forces the generic way (the tests compare the two).
+
+    The targets named in `on_inputs` (any modules, e.g. mixture-of-experts modules) are
+    not reduced to a Hessian: their step keeps every batch's call (ModuleCall: args,
+    kwargs, mask) and quantize_on_inputs(name, module, calls) returns the module that
+    replaces it (and runs from then on); quantize_unreached also takes them."""
+    on_inputs = frozenset(on_inputs)
     for name, layer in targets.items():  # else the NaN surfaces as the next layer's non-finite inputs
-        if not torch.isfinite(layer.weight).all():
-            raise ValueError(f"{name}.weight contains NaN or Inf")
+        for param, value in ([("weight", layer.weight)] if name not in on_inputs else layer.named_parameters()):
+            if not torch.isfinite(value).all():
+                raise ValueError(f"{name}.{param} contains NaN or Inf")
     batches = as_batches(calibration)
     stats = CalibrationStats(batches=len(batches))
     runner = _Runner(model, batches, stats)
@@ -407,7 +419,7 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
     if use_cache:
         config.use_cache = False
     try:
-        found = _discover(runner, model, targets)
+        found = _discover(runner, model, targets, on_inputs)
         stats.rows = {name: n for name, n in found.rows.items() if n}
         quantized: Dict[str, nn.Module] = {}
 
@@ -420,20 +432,33 @@ def quantize_sequentially(model: nn.Module, targets: Dict[str, nn.Module], calib
                 model.set_submodule(name, _dense_stand_in(quantized[name], targets[name]))
             stats.seconds_quantize += time.perf_counter() - start
 
+        def finish_on_inputs(name, calls):
+            stats.steps += 1
+            start = time.perf_counter()
+            quantized[name] = quantize_on_inputs(name, targets[name], calls)
+            model.set_submodule(name, quantized[name])
+            stats.seconds_quantize += time.perf_counter() - start
+
+        def run_step(step, run):
+            if step[0] in on_inputs:
+                _keep_inputs(runner, step[0], targets[step[0]], found.once[step[0]], finish_on_inputs, run)
+            else:
+                _run_step(runner, step, targets, found.once, finish, run)
+
         blocks = found.blocks if use_blocks else None
         block_steps: Dict[int, List[List[str]]] = {}
         for step in found.steps:
             index = found.block_of[step[0]] if blocks is not None else None
             if index is None:
                 if block_steps and blocks is not None:  # after the blocks: run them first
-                    _run_blocks(runner, blocks, block_steps, found, targets, finish)
+                    _run_blocks(runner, blocks, block_steps, found, run_step)
                     block_steps = {}
                     blocks = None
-                _run_step(runner, step, targets, found.once, finish, lambda hooks: runner.run(hooks))
+                run_step(step, lambda hooks: runner.run(hooks))
             else:
                 block_steps.setdefault(index, []).append(step)
         if block_steps and blocks is not None:
-            _run_blocks(runner, blocks, block_steps, found, targets, finish)
+            _run_blocks(runner, blocks, block_steps, found, run_step)
         if found.blocks is not None and use_blocks:
             stats.blocks = found.blocks_name
     finally:
@@ -484,22 +509,37 @@ def _run_step(runner: _Runner, step: List[str], targets, once, finish, run) -> N
     finish(step, hessian, seen["rows"])
 
 
+def _keep_inputs(runner: _Runner, name: str, module: nn.Module, once: bool, finish, run) -> None:
+    """Keep every batch's call of `module` with `run(hooks)`, then quantize it on them."""
+    calls: List[ModuleCall] = []
+
+    def keep(module, args, kwargs):
+        runner.rows(name, args, kwargs)  # NaN / Inf check
+        calls.append(ModuleCall(args, kwargs, runner.mask))
+        if once:
+            raise _StopForward
+
+    run({module: keep})
+    if not calls:
+        raise CalibrationError(f"module {name!r} received no calibration inputs")
+    finish(name, calls)
+
+
 def _run_blocks(runner: _Runner, blocks: List[nn.Module], block_steps: Dict[int, List[List[str]]],
-                found: _Discovery, targets, finish) -> None:
+                found: _Discovery, run_step) -> None:
     """Quantize the blocks' layers block by block on kept block inputs."""
     first = min(block_steps)
-    calls: List[_BlockCall] = []
+    calls: List[ModuleCall] = []
 
     def capture(module, args, kwargs):
-        calls.append(_BlockCall(args, kwargs, runner.mask))
+        calls.append(ModuleCall(args, kwargs, runner.mask))
         raise _StopForward
 
     runner.run({blocks[first]: capture})
     for index in range(first, max(block_steps) + 1):
         block = blocks[index]
         for step in block_steps.get(index, []):
-            _run_step(runner, step, targets, found.once, finish,
-                      lambda hooks: runner.run_block(block, calls, hooks))
+            run_step(step, lambda hooks: runner.run_block(block, calls, hooks))
         if index < max(block_steps):
             outputs = runner.run_block(block, calls, {}, keep_outputs=True)
             for call, out in zip(calls, outputs):
@@ -521,20 +561,29 @@ def output_error(weight: torch.Tensor, dequantized: torch.Tensor, hessian: torch
 
 def quantize_model_calibrated(model: nn.Module, targets: Dict[str, nn.Module], report, method: str,
                               weight_format: str, group_size: int, calibration, from_linear: Callable,
+                              modules: Optional[Dict[str, nn.Module]] = None,
+                              quantize_module: Optional[Callable] = None, quantize_module_unreached=None,
                               **options) -> None:
     """quantize_model with a calibrated method (`method`: a name registered with
     torch_marlin.quantize.register_calibrated_method, e.g. "gptq", "sparsegpt"): the layers
     `targets` ({name: nn.Linear or Conv1D}) quantized in forward order (quantize_sequentially),
     each module built by `from_linear` (MarlinLinear.from_linear) with the layer's Hessian.
     Fills `report` (a QuantizationReport): every layer, and its relative output error next to
-    the method's baseline (the quantizer "mse" in the same layout: round to nearest, magnitude 2:4)."""
+    the method's baseline (the quantizer "mse" in the same layout: round to nearest, magnitude 2:4).
+    `modules` ({name: module}, e.g. experts modules) are quantized in the same forward order on
+    their kept inputs by quantize_module(name, module, calls), or by
+    quantize_module_unreached(name, module) if the calibration never calls them."""
     calibrated = calibrated_method(method)
     calibrated.check_options(weight_format, group_size, **options)
     report.method_name, report.baseline_name = calibrated.label, calibrated.baseline
     damp = options.get("damp", DEFAULT_DAMP)
     start = time.perf_counter()
 
+    modules = modules or {}
+
     def quantize_unreached(name, linear):
+        if name in modules:
+            return quantize_module_unreached(name, linear)
         module = from_linear(linear, weight_format, group_size, "mse", sparsity=calibrated.sparsity)
         report.record(name, linear, module)
         return module
@@ -552,7 +601,8 @@ def quantize_model_calibrated(model: nn.Module, targets: Dict[str, nn.Module], r
         report.record(name, linear, module)
         return module
 
-    stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)
+    stats = quantize_sequentially(model, {**targets, **modules}, calibration, quantize_layer, quantize_unreached,
+                                  quantize_on_inputs=quantize_module, on_inputs=modules)
     report.unreached = list(stats.unreached)
     report.calibration_batches = stats.batches
     report.seconds = time.perf_counter() - start

@@ -100,6 +100,9 @@ def _add_calibration_arguments(conv) -> None:
     group.add_argument("--seed", type=int, default=0, help="seed for drawing the samples (default 0)")
     group.add_argument("--act-order", action="store_true",
                        help="quantize columns by decreasing input energy (stores an input permutation)")
+    group.add_argument("--experts-rtn", action="store_true",
+                       help="with --method gptq: quantize expert stacks with round to nearest instead of GPTQ "
+                            "per expert on the tokens routed to it")
     group.add_argument("--damp", type=float, default=0.01,
                        help="Hessian damping, relative to its mean diagonal (default 0.01)")
     group.add_argument("--block-size", type=int, default=128, help="GPTQ lazy-update block size (default 128)")
@@ -208,7 +211,7 @@ def _convert_calibrated(args) -> int:
         method=args.method, sparsity=args.sparsity,
         samples=args.calibration_samples, length=args.calibration_length, batch_size=args.calibration_batch_size,
         seed=args.seed, act_order=args.act_order, damp=args.damp, block_size=args.block_size,
-        exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
+        calibrate_experts=not args.experts_rtn, exclude=args.exclude, dtype=args.dtype, quantize_lm_head=args.quantize_lm_head, overwrite=args.overwrite,
         max_shard_bytes=args.max_shard_size * 2 ** 20, calibration_dtype=args.calibration_dtype))
 
 

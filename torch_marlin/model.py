@@ -15,6 +15,7 @@ from .calibration import quantize_model_calibrated
 from .float_linear import is_float_linear
 from .linear import MarlinLinear
 from .moe import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
+from .moe_gptq import ExpertError, calibrate_experts, check_experts_options, describe_expert_errors
 from .quantize import calibrated_method
 from .sparsity import split_method
 
@@ -37,6 +38,8 @@ class QuantizationReport:
     method_name: str = "GPTQ"
     baseline_name: str = "round to nearest"
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
+    # method="gptq" on expert stacks: {stack name: [ExpertError per expert]} (torch_marlin.moe_gptq)
+    expert_errors: Dict[str, List[ExpertError]] = field(default_factory=dict)
     calibration_batches: int = 0
     seconds: float = 0.0
     # bits= (entropy-coded layout): every byte of each layer's coded weight per weight
@@ -64,7 +67,10 @@ class QuantizationReport:
             lines = [text, f"{self.method_name} on {self.calibration_batches} calibration batches in "
                            f"{self.seconds:.1f} s; relative output error per layer "
                            f"({self.baseline_name} -> {self.method_name}):"]
-            lines += [f"  {name}: {rtn:.4f} -> {gptq:.4f}" for name, (rtn, gptq) in self.output_errors.items()]
+            for name, (rtn, gptq) in self.output_errors.items():
+                lines.append(f"  {name}: {rtn:.4f} -> {gptq:.4f}")
+                if name in self.expert_errors:
+                    lines += ["  " + line for line in describe_expert_errors("per expert", self.expert_errors[name])]
             if self.unreached:
                 lines.append(f"  never reached by the calibration data ({self.baseline_name}): {', '.join(self.unreached)}")
             text = "\n".join(lines)
@@ -123,7 +129,10 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     GPTQ on the inputs they receive from `calibration` (an iterable of model
     inputs: a Tensor is called as model(t), a tuple as model(*t), a dict as
     model(**d)); options act_order / damp / block_size / refine_rounds are
-    described in torch_marlin.gptq and torch_marlin.calibration.
+    described in torch_marlin.gptq and torch_marlin.calibration. Expert stacks are
+    then calibrated too, each expert on the tokens the model routes to it
+    (torch_marlin.moe_gptq; act_order only with group_size=-1), unless
+    calibrate_experts=False (round to nearest, "mse", for the stacks).
 
     sparsity="2:4" prunes every such linear layer to 2:4 (SparseQuantizedWeight,
     docs/SPARSITY.md); `method` then names the pruning method: "magnitude" (no
@@ -131,9 +140,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     quantizer), "sparsegpt" or "wanda" (sequential on `calibration` as GPTQ;
     options damp / block_size, torch_marlin.sparsegpt).
 
-    Expert stacks are always quantized dense and without calibration (the
-    quantizer "mse" when `method` is a calibrated or pruning method): GPTQ,
-    SparseGPT and 2:4 for experts are not implemented.
+    Expert stacks are always quantized dense; with a pruning method, without
+    calibration (the quantizer "mse"): SparseGPT and 2:4 for experts are not implemented.
 
     bits=<float> selects the entropy-coded layout (docs/ENTROPY.md): every selected linear
     layer on a uniform grid, rate-allocated so that the coded weights average at most
@@ -155,10 +163,35 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     report = QuantizationReport()
     targets = select_linear_layers(model, include_p, exclude_p, report)
     layers = {name: model.get_submodule(name) for name in targets}
+    experts = _experts_to_quantize(model, include_p, exclude_p, report)
     if calibrated_method(pruning or method) is not None:
+        calibrated = {}
+        if (pruning or method) == "gptq" and options.pop("calibrate_experts", True):
+            if experts:
+                check_experts_options(group_size, **options)
+            calibrated, experts = experts, {}
+        elif "calibrate_experts" in options:
+            raise ValueError(f"calibrate_experts is an option of method='gptq', got method={method!r}")
+
+        def quantize_on_inputs(name, source, calls):
+            try:
+                quantized, errors, totals = calibrate_experts(source, calls, weight_format, group_size, name=name,
+                                                              **options)
+            except ValueError as e:  # name the module
+                raise ValueError(f"{name}: {e}") from e
+            for stack, per_expert in errors.items():
+                report.output_errors[f"{name}.{stack}"] = totals[stack]
+                report.expert_errors[f"{name}.{stack}"] = per_expert
+            _record_experts(report, name, source, quantized)
+            return quantized
+
+        def quantize_unreached(name, source):
+            return _quantize_experts_rtn(name, source, weight_format, group_size, "mse", report) or source
+
         quantize_model_calibrated(model, layers, report, pruning or method, weight_format, group_size, calibration,
-                                  MarlinLinear.from_linear, **options)
-        quantizer = "mse"  # for the expert stacks
+                                  MarlinLinear.from_linear, modules=calibrated, quantize_module=quantize_on_inputs,
+                                  quantize_module_unreached=quantize_unreached, **options)
+        quantizer = "mse"  # for the expert stacks left
     else:
         if calibration is not None or options:
             raise ValueError(f"calibration/{sorted(options) or 'options'} are only used by method='gptq' "
@@ -171,7 +204,11 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
                 raise ValueError(f"{name}: {e}") from e
             model.set_submodule(name, quantized)
             report.record(name, linear, quantized)
-    _quantize_experts(model, weight_format, group_size, include_p, exclude_p, quantizer, report)
+    for name, source in experts.items():
+        quantized = _quantize_experts_rtn(name, source, weight_format, group_size, quantizer, report)
+        if quantized is not None:
+            model.set_submodule(name, quantized)
+    warn_unsupported(model, report.experts_unsupported, stacklevel=3)
     _warn_unmatched(report, include_p or [], exclude_p)
     return report
 
@@ -201,25 +238,37 @@ def _warn_unmatched(report: QuantizationReport, include_p: List[str], exclude_p:
                           f"matches as a suffix, e.g. 'q_proj')", stacklevel=3)
 
 
-def _quantize_experts(model: nn.Module, weight_format: str, group_size: int, include_p: Optional[List[str]],
-                      exclude_p: List[str], method: str, report: QuantizationReport) -> None:
+def _experts_to_quantize(model: nn.Module, include_p: Optional[List[str]], exclude_p: List[str],
+                         report: QuantizationReport) -> Dict[str, nn.Module]:
+    """{name: module} of the experts modules to quantize; the others are listed in the report."""
     supported, unsupported = find_experts_modules(model)
-    for name, structure in supported.items():
+    selected = {}
+    for name in supported:
         if not (include_p is None or matches_any(name, include_p)) or matches_any(name, exclude_p):
             report.experts_skipped.append(name)
-            continue
-        source = model.get_submodule(name)
-        try:
-            quantized = MarlinExperts.from_float(source, weight_format, group_size, method)
-        except UnsupportedExperts as e:
-            unsupported[name] = str(e)
-            continue
-        except ValueError as e:  # name the module
-            raise ValueError(f"{name}: {e}") from e
-        report.bytes_before += _nbytes(source)
-        report.bytes_after += sum(_nbytes(stack) for stack in quantized.stacks().values())
-        report.relative_errors[name] = quantized.quantization_error
-        model.set_submodule(name, quantized)
-        report.experts_replaced.append(name)
+        else:
+            selected[name] = model.get_submodule(name)
     report.experts_unsupported.update(unsupported)
-    warn_unsupported(model, unsupported, stacklevel=4)
+    return selected
+
+
+def _record_experts(report: QuantizationReport, name: str, source: nn.Module, quantized: MarlinExperts) -> None:
+    report.bytes_before += _nbytes(source)
+    report.bytes_after += sum(_nbytes(stack) for stack in quantized.stacks().values())
+    report.relative_errors[name] = quantized.quantization_error
+    report.experts_replaced.append(name)
+
+
+def _quantize_experts_rtn(name: str, source: nn.Module, weight_format: str, group_size: int, method: str,
+                          report: QuantizationReport) -> Optional[MarlinExperts]:
+    """An experts module quantized without calibration (None, listed as unsupported, if
+    MarlinExperts cannot stand in for it)."""
+    try:
+        quantized = MarlinExperts.from_float(source, weight_format, group_size, method)
+    except UnsupportedExperts as e:
+        report.experts_unsupported[name] = str(e)
+        return None
+    except ValueError as e:  # name the module
+        raise ValueError(f"{name}: {e}") from e
+    _record_experts(report, name, source, quantized)
+    return quantized

@@ -367,12 +367,13 @@ def moe_with_tokenizer(moe_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method,extra,quantized_layers", [
-    ("gptq", ["--exclude", "model.layers.1.mlp.experts.down_proj"], [0]),
+    ("gptq", ["--exclude", "model.layers.1.mlp.experts.down_proj", "--experts-rtn"], [0]),
     ("sparsegpt", ["--sparsity", "2:4"], [0, 1])])
 def test_calibrated_conversion_quantizes_expert_stacks(moe_with_tokenizer, tmp_path, capsys, method, extra,
                                                        quantized_layers):
-    """--method gptq / sparsegpt used to leave the expert stacks in float: they are quantized
-    with round to nearest (dense), counted in the summary and listed in the config."""
+    """--method gptq / sparsegpt used to leave the expert stacks in float: with sparsegpt (and
+    gptq --experts-rtn) they are quantized with round to nearest (dense), counted in the
+    summary and listed in the config (GPTQ per expert: tests/hf/test_hf_moe_gptq.py)."""
     from test_hf_gptq import TEXTS, write_jsonl
 
     src, dst = moe_with_tokenizer, str(tmp_path / "q")

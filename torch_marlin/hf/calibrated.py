@@ -32,6 +32,7 @@ from torch import nn
 from .. import formats
 from ..calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, CalibrationError
 from ..model import QuantizationReport, matches_any, quantize_model
+from ..moe_gptq import describe_expert_errors
 from ..quantize import calibrated_method
 from ..sparsity import split_method
 from .config import build_quantization_config
@@ -52,7 +53,7 @@ class CalibratedConversion:
     samples: int
     tokens: int
     layers_in_float: List[str] = field(default_factory=list)  # linear layers and expert stacks
-    stacks: int = 0  # expert stacks quantized (round to nearest: calibration of experts is not implemented)
+    stacks: int = 0  # expert stacks quantized (GPTQ per expert, or round to nearest: report.expert_errors says)
     bytes_before: int = 0
     bytes_after: int = 0
     seconds: float = 0.0
@@ -63,7 +64,8 @@ class CalibratedConversion:
         mib = 2.0 ** -20
         errors = self.report.output_errors.values()
         method, baseline = self.report.method_name, self.report.baseline_name
-        stacks = f" and {self.stacks} expert stacks (round to nearest)" if self.stacks else ""
+        how = method + " per expert" if self.report.expert_errors else "round to nearest"
+        stacks = f" and {self.stacks} expert stacks ({how})" if self.stacks else ""
         lines = [f"{method}: {len(self.report.replaced)} linear layers{stacks} quantized on {self.samples} "
                  f"calibration samples ({self.tokens} tokens); {len(self.layers_in_float)} left in float"]
         if errors:
@@ -71,6 +73,10 @@ class CalibratedConversion:
             gptq = sum(e[1] for e in errors) / len(errors)
             lines.append(f"mean relative output error on the calibration data: {baseline} {rtn:.4f} "
                          f"-> {method} {gptq:.4f}")
+        for stack, per_expert in self.report.expert_errors.items():
+            rtn, calibrated = self.report.output_errors[stack]
+            lines += describe_expert_errors(f"{stack} ({baseline} {rtn:.4f} -> {method} {calibrated:.4f})",
+                                            per_expert)
         if self.report.unreached:
             lines.append(f"never reached by the calibration data ({baseline}): "
                          f"{', '.join(self.report.unreached)}")
@@ -169,11 +175,14 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
                              max_shard_bytes: int = 2 * 2 ** 30,
                              calibration_dtype: str = "float32", method: str = "gptq",
                              sparsity: Optional[str] = None, bits: Optional[float] = None,
-                             entropy_code: bool = False, quantizer: str = "mse") -> CalibratedConversion:
+                             entropy_code: bool = False, quantizer: str = "mse",
+                             calibrate_experts: bool = True) -> CalibratedConversion:
     """GPTQ-quantize the float model in directory `src` on the text in `calibration` and
     write a torch_marlin checkpoint to `dst` (see the module docstring). The model runs
     in `calibration_dtype` ("float32" or "bfloat16": half the memory, less exact).
-    method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md)."""
+    method="sparsegpt" | "wanda" with sparsity="2:4" prunes to 2:4 instead (docs/SPARSITY.md).
+    Expert stacks get GPTQ per expert (torch_marlin.moe_gptq) unless calibrate_experts=False
+    (round to nearest); with the pruning methods they are always round to nearest."""
     start = time.time()
     coded = bits is not None or entropy_code  # the entropy-coded layout (docs/ENTROPY.md)
     if calibrated_method(method) is None and not (coded and method == "rtn"):
@@ -183,6 +192,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
         split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if act_order and method != "gptq":
         raise ValueError(f"act_order is a GPTQ option, got method={method!r}")
+    if not calibrate_experts and method != "gptq":
+        raise ValueError(f"calibrate_experts=False (--experts-rtn) is a GPTQ option, got method={method!r}")
     if bits is None:
         formats.check_weight_format(weight_format)
         formats.check_group_size(group_size)
@@ -212,7 +223,7 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     notes += notes_on_experts
     if not targets:
         raise CheckpointError(f"{src}: no linear layer left to quantize (all excluded, tied or output heads)")
-    options = {"act_order": act_order} if method == "gptq" else {}
+    options = {"act_order": act_order, "calibrate_experts": calibrate_experts} if method == "gptq" else {}
     if method != "rtn":
         options.update(damp=damp, block_size=block_size)
     if coded:
@@ -230,8 +241,9 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     else:
         description_extra = {}
     description = {"method": "float", "quantizer": method, **description_extra, "act_order": bool(act_order),
-                   "damp": damp,
-                   "block_size": block_size, "calibration_samples": n_samples, "calibration_tokens": n_tokens,
+                   "damp": damp, "block_size": block_size,
+                   "experts_quantizer": "gptq" if report.expert_errors else "mse",
+                   "calibration_samples": n_samples, "calibration_tokens": n_tokens,
                    "calibration_dtype": calibration_dtype, **({"sparsity": sparsity} if sparsity else {})}
     config = build_quantization_config(_Described(description), modules, layers_in_float)
     model.config.quantization_config = config
