@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
-from . import formats
+from . import formats, fused_projections
 from .experts import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .linear import MarlinLinear, is_float_linear
 from .sparsity import CALIBRATED_PRUNING, split_method
@@ -34,6 +34,7 @@ class QuantizationReport:
     method_name: str = "GPTQ"
     baseline_name: str = "round to nearest"
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
+    fused: List[str] = field(default_factory=list)  # fused projections (fuse_projections=True)
     calibration_batches: int = 0
     seconds: float = 0.0
 
@@ -100,7 +101,8 @@ def _nbytes(module: nn.Module) -> int:
 def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int = 128,
                    include: Patterns = None, exclude: Patterns = None,
                    method: str = "mse", calibration: Optional[Iterable] = None,
-                   sparsity: Optional[str] = None, **options) -> QuantizationReport:
+                   sparsity: Optional[str] = None, fuse_projections: bool = False,
+                   **options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
     as a suffix; default all) and none of `exclude` with a MarlinLinear, and
@@ -121,6 +123,11 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     quantizer), "sparsegpt" or "wanda" (sequential on `calibration` as GPTQ;
     options damp / block_size, torch_marlin.sparsegpt).
 
+    fuse_projections=True then fuses the quantized linear layers that read the
+    same input (q_proj|k_proj|v_proj, gate_proj|up_proj siblings) into one wider
+    weight each (torch_marlin.fused_projections: one matmul per group at decode,
+    outputs identical to the separate layers); report.fused lists them.
+
     Expert stacks are always quantized dense and without calibration (the
     quantizer "mse" when `method` is a calibrated or pruning method): GPTQ,
     SparseGPT and 2:4 for experts are not implemented."""
@@ -129,6 +136,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     # Checked here, not per layer, so the error does not carry the first layer's name.
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
@@ -166,6 +175,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             report.record(name, linear, quantized)
     _quantize_experts(model, weight_format, group_size, include_p, exclude_p, quantizer, report)
     _warn_unmatched(report, include_p or [], exclude_p)
+    if fuse_projections:
+        report.fused = fused_projections.fuse_projections(model)
     return report
 
 
