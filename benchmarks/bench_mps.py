@@ -385,6 +385,31 @@ def report_plans(fmt, gs, dtype=torch.float16):
             print(f"{name:24} {m:5d} {kernels:40} {grid:>12} {tg:7d} {req / 1e6:9.2f} {ideal / 1e6:9.2f} {req / ideal:6.2f}")
 
 
+FUSED_GROUPS = {  # model: {group: (K, [N of each member])}
+    "Llama-2-7B": {"q|k|v": (4096, [4096, 4096, 4096]), "gate|up": (4096, [11008, 11008])},
+    "Llama-3.2-1B": {"q|k|v": (2048, [2048, 512, 512]), "gate|up": (2048, [8192, 8192])},
+    "Qwen3-MoE attn": {"q|k|v": (2048, [4096, 512, 512])},
+}
+
+
+def report_fused_plans(fmt, gs, dtype=torch.float16, m=1):
+    """Fused projections (torch_marlin.fused_projections) on Metal at decode: launches, threadgroups and
+    requested bytes of the separate layers' plans against the one plan of the concatenated weight."""
+    print(f"# fused projections at M={m}, format={fmt}, group_size={gs}: separate layers -> one fused weight")
+    print(f"{'model':16} {'group':8} {'launches':>10} {'threadgroups':>14} {'MB requested':>16}")
+    for model, groups in FUSED_GROUPS.items():
+        for group, (k, widths) in groups.items():
+            cells = []
+            for ns in (widths, [sum(widths)]):
+                plans = [metal_plan("gemm", *meta_inputs(m, n, k, fmt, gs, dtype), None, fmt, gs) for n in ns]
+                launches = sum(len(p["launches"]) for p in plans)
+                groups_ = sum(math.prod(l["grid"]) for p in plans for l in p["launches"] if "gemv" in l["kernel"])
+                mb = sum(plan_bytes(p, fmt)[0] for p in plans) / 1e6
+                cells.append((launches, groups_, mb))
+            (l0, t0, b0), (l1, t1, b1) = cells
+            print(f"{model:16} {group:8} {l0:4d} -> {l1:<3d} {t0:6d} -> {t1:<6d} {b0:7.2f} -> {b1:<7.2f}")
+
+
 def detect_chip():
     """(name, DRAM GB/s) of this Mac's chip from CHIPS, or (name, None)."""
     if platform.system() != "Darwin":
@@ -531,8 +556,11 @@ def main():
     ap.add_argument("--estimates", action="store_true", help="the per-chip bounds of docs/KERNELS.md")
     ap.add_argument("--peak-gbs", type=float, help="the chip's DRAM bandwidth, when it is not detected")
     ap.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
+    ap.add_argument("--fused", action="store_true", help="fused projections against the separate layers")
     args = ap.parse_args()
     (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
+    if args.fused:
+        report_fused_plans(args.format, args.group_size)
     if args.estimates:
         report_accounting(args.format, args.group_size)
         report_estimates(args.format, args.group_size)
