@@ -103,3 +103,20 @@ def test_groups_that_cannot_fuse_stay_separate():
         torch_marlin.quantize_model(build_tiny_model("llama"), fuse_projections=1)
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         torch_marlin.fuse_projections("model")
+
+
+@pytest.mark.parametrize("m", [1, 12])  # the GEMV and the fused GEMM
+def test_fused_weight_on_the_metal_kernels(m):
+    """On Metal the fused projection is a wider dense weight: the plan's kernels on the emulator give the
+    separate layers' outputs side by side (within the kernels' fp32 tolerance)."""
+    from torch_marlin.testing import run_metal
+
+    separate, fused, _ = quantized_pair("qwen2", "int4")
+    qkv = fused.model.layers[0].self_attn.qkv_proj.linear
+    ref_attn = separate.model.layers[0].self_attn
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(4))
+    w = qkv.quantized_weight()
+    out = run_metal("gemm", x, w.packed, w.scales, w.zeros, qkv.bias, w.weight_format, w.group_size)
+    with torch.no_grad():
+        ref = torch.cat([getattr(ref_attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")], -1)
+    assert ((out - ref).abs().max() / ref.abs().max()) <= 2e-5
