@@ -61,6 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--allow-pickle", action="store_true",
                       help="accept pytorch_model.bin weights (loaded with weights_only=True)")
     conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
+    conv.add_argument("--fuse-projections", action="store_true",
+                      help="load q|k|v and gate|up as one weight each (exact; the tensors stay per layer)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_calibration_arguments(conv)
@@ -128,6 +130,10 @@ def _convert(args) -> int:
     if args.act_order and args.method != "gptq":
         print("error: --act-order is a GPTQ option (--method gptq)", file=sys.stderr)
         return _EXIT_USAGE
+    if calibrated and args.fuse_projections:
+        print("error: --fuse-projections is not supported with --method yet; convert without it and load with "
+              "torch_marlin.from_pretrained(path, fuse_projections=True)", file=sys.stderr)
+        return _EXIT_USAGE
     if calibrated:
         return _convert_calibrated(args)
 
@@ -139,7 +145,8 @@ def _convert(args) -> int:
                            overwrite=args.overwrite, allow_pickle=args.allow_pickle,
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
-                           revision=args.revision, sparsity=args.sparsity)
+                           revision=args.revision, sparsity=args.sparsity,
+                           fuse_projections=args.fuse_projections)
     return _report(run)
 
 

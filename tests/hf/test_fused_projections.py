@@ -120,3 +120,31 @@ def test_fused_weight_on_the_metal_kernels(m):
     with torch.no_grad():
         ref = torch.cat([getattr(ref_attn, n)(x) for n in ("q_proj", "k_proj", "v_proj")], -1)
     assert ((out - ref).abs().max() / ref.abs().max()) <= 2e-5
+
+
+def test_converter_option_fuses_on_load(tiny_model_dir, tmp_path):
+    """`torch-marlin convert --fuse-projections` marks the checkpoint (tensors stay per layer); loading it,
+    through torch_marlin.from_pretrained or transformers' own from_pretrained, fuses."""
+    import json
+
+    import transformers
+
+    from torch_marlin.cli import main
+
+    src = tiny_model_dir("qwen2")
+    plain, marked = str(tmp_path / "plain"), str(tmp_path / "marked")
+    assert main(["convert", src, plain, "--format", "uint4", "--group-size", "32", "--no-progress"]) == 0
+    assert main(["convert", src, marked, "--format", "uint4", "--group-size", "32", "--no-progress",
+                 "--fuse-projections"]) == 0
+    with open(f"{marked}/config.json") as f:
+        assert json.load(f)["quantization_config"]["fuse_projections"] is True
+    reference = torch_marlin.from_pretrained(plain)
+    assert isinstance(reference.model.layers[0].self_attn.q_proj, torch_marlin.MarlinLinear)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(5))
+    for model in (torch_marlin.from_pretrained(marked),
+                  transformers.AutoModelForCausalLM.from_pretrained(marked).eval()):
+        assert isinstance(model.model.layers[0].self_attn.qkv_proj, FusedProjection)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+    assert main(["convert", src, str(tmp_path / "x"), "--fuse-projections", "--method", "gptq",
+                 "--calibration", "c.txt"]) == 2

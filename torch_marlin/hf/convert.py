@@ -100,7 +100,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             exclude: Sequence[str] = (), dtype: Optional[str] = None, quantizer: str = "mse",
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
-            revision: Optional[str] = None, sparsity: Optional[str] = None) -> ConversionSummary:
+            revision: Optional[str] = None, sparsity: Optional[str] = None,
+            fuse_projections: bool = False) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
@@ -112,7 +113,11 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     `sparsity="2:4"` prunes float sources to 2:4 by magnitude before quantizing;
     a weight that is already 2:4 (trained sparse) keeps its pattern. Expert
     stacks have no 2:4 layout and are quantized dense (the summary says so).
+    `fuse_projections=True` marks the checkpoint so that loading fuses its q|k|v
+    and gate|up siblings (torch_marlin.fused_projections; the tensors stay per layer).
     """
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
     layout_for_sparsity(sparsity)
@@ -155,6 +160,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         config = dict(source.config)
         config.pop("quantization_config", None)
         config["quantization_config"] = build_quantization_config(importer, modules, result.layers_in_float)
+        if fuse_projections:
+            config["quantization_config"]["fuse_projections"] = True
         if dtype is not None:
             config["dtype"] = dtype
             if "torch_dtype" in config:

@@ -106,7 +106,8 @@ def _define_classes():
 
         def __init__(self, weight_format: str = "fp4", group_size: int = 128, quantizer: str = "mse",
                      modules_to_not_convert: Optional[List[str]] = None, modules: Optional[dict] = None,
-                     format_version: int = FORMAT_VERSION, source: Optional[dict] = None, **kwargs):
+                     format_version: int = FORMAT_VERSION, source: Optional[dict] = None,
+                     fuse_projections: bool = False, **kwargs):
             formats.check_weight_format(weight_format)
             formats.check_group_size(group_size)
             if quantizer not in quantizer_names():  # quantize-on-load has no calibration data
@@ -121,6 +122,9 @@ def _define_classes():
             self.modules_to_not_convert = list(modules_to_not_convert or [])
             self.modules = modules
             self.source = source or {"method": "float", "quantizer": quantizer}
+            if not isinstance(fuse_projections, bool):
+                raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
+            self.fuse_projections = fuse_projections  # fuse q|k|v, gate|up after loading
             if modules is not None:
                 validate_quantization_config(self.to_dict())
 
@@ -144,6 +148,10 @@ def _define_classes():
             qc = self.quantization_config
             if self.pre_quantized:
                 check_loaded(model)
+                if qc.fuse_projections:
+                    from ..fused_projections import fuse_projections
+
+                    fuse_projections(model)
                 return model
             skips = default_skips(model, qc.modules_to_not_convert)
             qc.modules = quantize_linear_modules(model, qc.weight_format, qc.group_size, qc.quantizer, skips)

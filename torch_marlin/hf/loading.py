@@ -26,6 +26,8 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
     fuse_projections=True fuses the quantized q|k|v and gate|up siblings into one
     weight each after loading (torch_marlin.fused_projections: exact, a
     concatenation of the stored codes and scales; the checkpoint stays per layer).
+    A checkpoint converted with `torch-marlin convert --fuse-projections` is
+    fused on load in any case (here and through transformers' from_pretrained).
     Other keyword arguments go to transformers' from_pretrained.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
@@ -65,7 +67,7 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
     if mismatched:
         raise CheckpointError(f"{path}: tensors whose shape does not match the config: {list(mismatched)[:5]}")
     model.eval()
-    if fuse_projections:
+    if fuse_projections:  # a no-op where the checkpoint's config already fused them
         from ..fused_projections import fuse_projections as fuse
 
         fuse(model)
