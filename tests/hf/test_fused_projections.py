@@ -148,3 +148,15 @@ def test_converter_option_fuses_on_load(tiny_model_dir, tmp_path):
             assert torch.equal(model(ids).logits, reference(ids).logits)
     assert main(["convert", src, str(tmp_path / "x"), "--fuse-projections", "--method", "gptq",
                  "--calibration", "c.txt"]) == 2
+
+
+def test_a_fused_model_is_not_saved_as_a_broken_checkpoint(tiny_model_dir, tmp_path):
+    dst = str(tmp_path / "q")
+    convert(tiny_model_dir("llama"), dst, "fp4", 32)
+    for fuse in (True, False):
+        model = torch_marlin.from_pretrained(dst, fuse_projections=fuse)
+        if fuse:
+            with pytest.raises(ValueError, match="not serializable"), pytest.warns(UserWarning, match="fused"):
+                model.save_pretrained(str(tmp_path / "fused"))
+        else:
+            model.save_pretrained(str(tmp_path / "plain"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from typing import List, Optional
 
 from .. import formats
@@ -151,7 +152,7 @@ def _define_classes():
                 if qc.fuse_projections:
                     from ..fused_projections import fuse_projections
 
-                    fuse_projections(model)
+                    self.fused_projections = bool(fuse_projections(model))
                 return model
             skips = default_skips(model, qc.modules_to_not_convert)
             qc.modules = quantize_linear_modules(model, qc.weight_format, qc.group_size, qc.quantizer, skips)
@@ -160,6 +161,12 @@ def _define_classes():
             return model
 
         def is_serializable(self, *args, **kwargs):
+            # A fused model's state dict holds the fused tensors, which the per-layer modules
+            # table does not describe: refuse to save it rather than write an unloadable checkpoint.
+            if getattr(self, "fused_projections", False):
+                warnings.warn("this model's projections are fused (torch_marlin.fused_projections) and are not "
+                              "saved fused: load the checkpoint without fusing to save it", stacklevel=2)
+                return False
             return True
 
         @property

@@ -70,5 +70,6 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
     if fuse_projections:  # a no-op where the checkpoint's config already fused them
         from ..fused_projections import fuse_projections as fuse
 
-        fuse(model)
+        if fuse(model) and getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.fused_projections = True  # is_serializable: not saved fused
     return model.to(device)
