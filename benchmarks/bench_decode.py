@@ -13,6 +13,8 @@ downloaded, and speed does not depend on the weights' values. Variants:
                         crude fast quantizer: the codes do not change speed)
   marlin-*-2:4          the same, pruned to 2:4 by magnitude (sparsity="2:4"); the
                         weights are random, so this measures speed, not quality
+  marlin-*-fused        marlin-* with fuse_projections=True: q|k|v and gate|up as one
+                        weight each (the same codes; one matmul per group)
 
 Measured at batch 1 with 2 threads (--threads): greedy decode of 128 new
 tokens after a 32-token prompt (tokens/s from the median time per token) and
@@ -45,7 +47,7 @@ from torch import nn
 import torch_marlin
 
 VARIANTS = ["float32", "bfloat16", "torch-int4", "marlin-fp4", "marlin-int4", "marlin-uint4", "marlin-fp4-2:4",
-            "marlin-int4-2:4", "marlin-uint4-2:4"]
+            "marlin-int4-2:4", "marlin-uint4-2:4", "marlin-fp4-fused", "marlin-int4-fused"]
 GROUP_SIZE = 128
 
 
@@ -141,7 +143,7 @@ def build_variant(variant: str, layers: int, base: nn.Module | None = None):
     elif variant.startswith("marlin-"):
         sparsity = "2:4" if variant.endswith("-2:4") else None  # magnitude 2:4: pruning does not change speed
         report = torch_marlin.quantize_model(model, variant.split("-")[1], GROUP_SIZE, method="bench-fast",
-                                             sparsity=sparsity)
+                                             sparsity=sparsity, fuse_projections=variant.endswith("-fused"))
         note = str(report)
     release_memory()
     return model, note

@@ -141,6 +141,77 @@ def gemm_costs(kernel, fmt, gs, tm):
     return simple, complex_, tm / MMA_EFFICIENCY, 0.5 + param_bytes(fmt, gs)
 
 
+def sparse24_gemv_costs(fmt, gs, m, dtype="f16"):
+    """marlin_sparse24_gemv: (simple, complex, DRAM bytes) per weight (per position of the dense [K, N]
+    matrix, so comparable with the dense kernels) for M = m rows. Per values word (16 K of a column,
+    4 blocks, 8 kept codes): the dense decode of its 4 nibble pairs; per block 2 ands for the position
+    fields (the selects compare them with constants: the shifts fold into the constants); the metadata
+    half of odd values rows one shift (`>> 16`, every other word); per block and row 2 selects for
+    each of the 2 x values (icmpsel: compare and select in one instruction) and 2 fmas (raw sums), for
+    uint4 / affine 2 adds more (x at the kept positions, per column: the patterns differ); per run and
+    row the group's fma (2 with zeros), fp4 once per run `scale * 2^14`. bf16 x: 16 conversions per
+    values row and row of x, shared by the lane's 4 columns."""
+    simple, complex_ = decode_word(fmt)
+    run = 1 if gs == 16 else 2  # values rows summed raw before the scale
+    zeros = has_zeros(fmt)
+    per_row = 4 * (4 + 2 + (2 if zeros else 0)) + (2 if zeros else 1) / run
+    words = simple + 4 * 2 + (1.0 / run if fmt == "fp4" else 0.0) + m * per_row
+    cvt = 4.0 if dtype == "bf16" else 0.0
+    nbytes = (4 + 2) / 16 + param_bytes(fmt, gs)  # values word + half a metadata word per 16 K
+    return words / 16, (complex_ + 0.5 + m * cvt) / 16, nbytes
+
+
+def sparse24_gemm_costs(fmt, gs, tm):
+    """marlin_sparse24_gemm: (simple, complex, MMA lane-FMAs, bytes) per weight and M tile: per lane and
+    B^T fragment 2 dense weights from one kept pair: the fused GEMM's lane-dependent pair decode and
+    fp32 dequant, 2 ands and 2 lane-dependent shifts for the positions, 2 x 2 compare-selects."""
+    simple = ((6 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0) + 2 + 4) / 2
+    complex_ = ((2 if fmt in ("fp4", "nf4") else 1) + 2) / 2
+    return simple, complex_, tm / MMA_EFFICIENCY, (4 + 2) / 16 + param_bytes(fmt, gs)
+
+
+def moe_routing_costs(experts, pairs):
+    """The routing's counting sort (metal/moe.metal), per (token, expert) pair: (instructions, bytes).
+    count: an id load, 32 shuffles + 32 compares + 64 adds/selects for the ranks in a 32-pair step, a
+    histogram read, a rank store (+ the histogram update of one lane per expert); offsets: per (chunk,
+    expert) 2 reads and a write, over 256-pair chunks; scatter: an id, a rank, an offset read, a store.
+    The previous routing scanned all pairs once per expert: E/32 simd steps of a load, a compare and
+    a simd_sum per pair (twice)."""
+    chunk_share = experts / 256  # (chunk, expert) entries per pair
+    instructions = 32 + 32 + 64 + 4 + 3 * chunk_share + 4
+    nbytes = 4 + 4 + 4 + 12 * chunk_share + 4 + 4 + 4 + 4
+    old_instructions = 2 * 3 * experts / 32 * 32  # per pair: each simdgroup step covers 32 pairs
+    return instructions, nbytes, old_instructions
+
+
+def report_accounting(fmt, gs):
+    """The per-kernel table of docs/KERNELS.md: instructions and DRAM bytes per weight."""
+    print(f"# per-kernel accounting (counted from the source, not measured), format={fmt}, group_size={gs}, "
+          "fp16 x; per weight = per position of the dense [K, N] matrix")
+    print(f"{'kernel':34} {'simple':>7} {'complex':>8} {'MMA':>6} {'bytes':>7} {'instr/byte':>10}")
+    rows = []
+    for m in (1, 4, 8):
+        rows.append((f"marlin_gemv M={m}", *gemv_costs(fmt, gs, m)[:2], 0.0, gemv_costs(fmt, gs, m)[2]))
+    for m in (1, 4, 8):
+        sc = sparse24_gemv_costs(fmt, gs, m)
+        rows.append((f"marlin_sparse24_gemv M={m}", sc[0], sc[1], 0.0, sc[2]))
+    for kernel, tm in (("fused", 32), ("fused", 64), ("tiled", 64)):
+        simple, complex_, mma, nbytes = gemm_costs(kernel, fmt, gs, tm)
+        rows.append((f"marlin_gemm_{kernel} TM={tm} (per tile)", simple, complex_, mma, nbytes))
+    for tm in (32, 64):
+        rows.append((f"marlin_sparse24_gemm TM={tm} (per tile)", *sparse24_gemm_costs(fmt, gs, tm)))
+    simple, complex_, nbytes = gemv_costs(fmt, gs, 1)
+    rows.append(("marlin_moe_gemv (per pair)", simple, complex_, 0.0, nbytes))
+    simple, complex_, mma, nbytes = gemm_costs("fused", fmt, gs, 32)
+    rows.append(("marlin_moe_gemm (per 32-row tile)", simple, complex_, mma, nbytes))
+    for name, simple, complex_, mma, nbytes in rows:
+        print(f"{name:34} {simple:7.2f} {complex_:8.3f} {mma:6.1f} {nbytes:7.4f} {(simple + complex_) / nbytes:10.2f}")
+    for experts, pairs in ((8, 64), (128, 16384), (256, 16384)):
+        instructions, nbytes, old = moe_routing_costs(experts, pairs)
+        print(f"# MoE routing E={experts} S={pairs}: ~{instructions:.0f} lane instructions and ~{nbytes:.0f} "
+              f"bytes per pair (the single-threadgroup scan it replaces: ~{old:.0f} per pair, on one core)")
+
+
 def gemv_bound(chip, fmt, gs, m, dtype="f16"):
     """(ALU busy at full DRAM bandwidth, share of the bandwidth reachable, bytes per weight)."""
     bw, simple_rate, complex_rate = _chip_rates(chip)
@@ -221,6 +292,14 @@ def report_banks():
         load = _cycles([((i // (tk // 4) * sx + 4 * (i % (tk // 4))) * size, 4 * size) for i in range(32)])
         print(f"  x tile {name:8} row stride {sx * size:3d} B: fused x^T read {fused} (1), tiled x read "
               f"{tiled[0]} ({tiled[1]}), loader store {load[0]} ({load[1]})")
+    tk2 = 32  # kSparseGemmTileK (metal/marlin_common.h)
+    for size, name in ((2, "f16/bf16"), (4, "f32")):
+        # 2:4 GEMM: x^T fragment, two scalar reads per lane of rows fc + e at column fr, the columns
+        # XOR-swizzled by 8 ((row / 2) % 4) (metal/sparse24_gemm.h marlin_sparse24_x_index)
+        def read(swizzle):
+            return max(_cycles([(((c + e) * tk2 + (r ^ (8 * (((c + e) >> 1) & 3) if swizzle else 0))) * size, size)
+                                for r, c in map(_lane, range(32))])[0] for e in (0, 1))
+        print(f"  2:4 GEMM x tile {name:8} [TM][{tk2}]: x^T read {read(False)} unswizzled, {read(True)} swizzled (1)")
     for stride in (tn, tn + pad // 4):
         b = _cycles([((r * stride + c) * 4, 4) for r in range(8) for c in range(8)])
         print(f"  tiled B tile, row stride {stride * 4} B: 8x8 fp32 simdgroup_load {b[0]} ({b[1]})"
@@ -259,7 +338,7 @@ def plan_bytes(plan, fmt):
             # values and metadata once (a lane's run of 2 values rows has one metadata word); params
             # once per run, the 4 runs of a simdgroup step (128 K) sharing one address at g >= 128:
             # once per group, or per 128 K for larger groups; every threadgroup reads all of x
-            total += sparse_codes + max(groups, k // 128) * n * 2 * sz + gx * m * k * t + m * n * t
+            total += sparse_codes + max(groups, k // 128) * n * 2 * sz + gx * m * k * t + out
         elif name.startswith("marlin_sparse24_gemm_"):
             total += gy * (sparse_codes + k // 16 * n * 2 * sz) + gx * m * k * t + out
         elif name.startswith("marlin_sparse24_dequant_"):
@@ -315,6 +394,31 @@ def report_plans(fmt, gs, dtype=torch.float16):
             grid = "x".join(map(str, plan["launches"][0]["grid"]))
             tg = max(l["threadgroup_memory"] for l in plan["launches"])
             print(f"{name:24} {m:5d} {kernels:40} {grid:>12} {tg:7d} {req / 1e6:9.2f} {ideal / 1e6:9.2f} {req / ideal:6.2f}")
+
+
+FUSED_GROUPS = {  # model: {group: (K, [N of each member])}
+    "Llama-2-7B": {"q|k|v": (4096, [4096, 4096, 4096]), "gate|up": (4096, [11008, 11008])},
+    "Llama-3.2-1B": {"q|k|v": (2048, [2048, 512, 512]), "gate|up": (2048, [8192, 8192])},
+    "Qwen3-MoE attn": {"q|k|v": (2048, [4096, 512, 512])},
+}
+
+
+def report_fused_plans(fmt, gs, dtype=torch.float16, m=1):
+    """Fused projections (torch_marlin.fused_projections) on Metal at decode: launches, threadgroups and
+    requested bytes of the separate layers' plans against the one plan of the concatenated weight."""
+    print(f"# fused projections at M={m}, format={fmt}, group_size={gs}: separate layers -> one fused weight")
+    print(f"{'model':16} {'group':8} {'launches':>10} {'threadgroups':>14} {'MB requested':>16}")
+    for model, groups in FUSED_GROUPS.items():
+        for group, (k, widths) in groups.items():
+            cells = []
+            for ns in (widths, [sum(widths)]):
+                plans = [metal_plan("gemm", *meta_inputs(m, n, k, fmt, gs, dtype), None, fmt, gs) for n in ns]
+                launches = sum(len(p["launches"]) for p in plans)
+                groups_ = sum(math.prod(l["grid"]) for p in plans for l in p["launches"] if "gemv" in l["kernel"])
+                mb = sum(plan_bytes(p, fmt)[0] for p in plans) / 1e6
+                cells.append((launches, groups_, mb))
+            (l0, t0, b0), (l1, t1, b1) = cells
+            print(f"{model:16} {group:8} {l0:4d} -> {l1:<3d} {t0:6d} -> {t1:<6d} {b0:7.2f} -> {b1:<7.2f}")
 
 
 def detect_chip():
@@ -583,16 +687,20 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="2:4 sparse against dense of the same format")
     ap.add_argument("--rans", action="store_true", help="entropy-coded (lossless) against dense of the same format")
     ap.add_argument("--rans-bits", type=float, default=3.8, help="--rans: coded bits per weight of the estimates")
+    ap.add_argument("--fused", action="store_true", help="fused projections against the separate layers")
     args = ap.parse_args()
     if args.rans:
         report_rans_plans(args.format, args.group_size, args.rans_bits)
         if args.estimates:
             report_rans_estimates(args.format, args.group_size, args.rans_bits)
-    else:
-        (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
-        if args.estimates:
-            report_estimates(args.format, args.group_size)
-            report_banks()
+        return
+    (report_sparse_plans if args.sparse else report_plans)(args.format, args.group_size)
+    if args.fused:
+        report_fused_plans(args.format, args.group_size)
+    if args.estimates:
+        report_accounting(args.format, args.group_size)
+        report_estimates(args.format, args.group_size)
+        report_banks()
     mps = hasattr(torch.backends, "mps") and torch.backends.mps.is_available()
     if mps and not args.plan_only:
         if not torch._C._dispatch_has_kernel_for_dispatch_key("marlin::gemm", "MPS"):

@@ -164,6 +164,10 @@ inline constexpr int b_tile_stride() { return kGemmTileN + kTilePadBytes / 4; }
 inline constexpr int gemv_threadgroup_memory(int rows) { return kGemvSimdgroups * rows * kGemvColumns * 4; }
 // Fused GEMM: double-buffered x tile [2][TM][x_tile_stride] of T.
 inline constexpr int fused_threadgroup_memory(int tm, int size) { return 2 * tm * x_tile_stride(size) * size; }
+// 2:4 GEMM: double-buffered x tile [2][TM][kSparseGemmTileK] of T, unpadded
+// (padding f32 at TM = 64 would exceed the 16 KiB budget): its columns are
+// swizzled instead (metal/sparse24_gemm.h, marlin_sparse24_x_index).
+inline constexpr int sparse_gemm_threadgroup_memory(int tm, int size) { return 2 * tm * kSparseGemmTileK * size; }
 // Tiled GEMM: x tile [kTiledTileM][x_tile_stride] of T, then the fp32 B tile.
 inline constexpr int tiled_x_tile_bytes(int size) { return kTiledTileM * x_tile_stride(size) * size; }
 inline constexpr int tiled_threadgroup_memory(int size) {
@@ -181,9 +185,9 @@ MARLIN_CONSTEXPR int kDequantRows = 4;
 
 // Routed expert matmuls (metal/moe.metal): the per-pair GEMV is the decode
 // GEMV on one row; the grouped GEMM is the fused GEMM on tiles of kMoeTileM
-// expert-sorted rows; the routing kernel is one threadgroup of
-// kMoeRouteThreads threads; the combining epilogue kMoeCombineThreads threads
-// per threadgroup.
+// expert-sorted rows; the routing's offsets and scatter kernels run
+// kMoeRouteThreads threads per threadgroup; the combining epilogue
+// kMoeCombineThreads.
 MARLIN_CONSTEXPR int kMoeTileM = 32;
 MARLIN_CONSTEXPR int kMoeRouteThreads = 256;
 MARLIN_CONSTEXPR int kMoeCombineThreads = 256;

@@ -14,7 +14,8 @@
 //
 // Per 32-deep stage (2 values rows, exactly one metadata row) a lane loads
 // its column's 2 values words and 1 metadata word once. x goes through the
-// dense kernel's double-buffered threadgroup tile [2][TM][32]. K split as the
+// dense kernel's double-buffered threadgroup tile [2][TM][32], its columns
+// swizzled so that a fragment read is free of bank conflicts. K split as the
 // dense GEMMs: slice z takes values rows [z * split_rows, ...) (whole stages)
 // and stores fp32 partials; marlin_reduce (metal/marlin_reduce.h) sums them.
 #pragma once
@@ -27,29 +28,36 @@
 
 using namespace metal;
 
-// Cooperative load of x[m0 .. m0 + TM, k0 .. k0 + 32] into a threadgroup tile
-// (zero past M), as the dense fused GEMM's marlin_load_x_tile.
+// Element (row, col) of an x tile [TM][kSparseGemmTileK]. A fragment read
+// touches rows 8 i + fc (+ 1), fc = 0, 2, 4, 6, at the same columns; with a
+// 32-element row those rows start in the same bank (4-way conflict). Padding
+// the rows as the dense GEMMs do would take f32 at TM = 64 past the 16 KiB
+// budget, so the columns are XOR-swizzled by 8 x ((row / 2) % 4) instead: the
+// four rows fall in four different 8-bank groups (f32; f16/bf16: 4-bank
+// groups), and a 4-element chunk stays contiguous.
+inline uint marlin_sparse24_x_index(uint row, uint col) {
+  return row * kSparseGemmTileK + (col ^ (8u * ((row >> 1) & 3u)));
+}
+
+// Cooperative load of x[m0 .. m0 + TM, k0 .. k0 + 32] into a swizzled
+// threadgroup tile (zero past M), 4 elements per thread and step (one vector
+// load with marlin_aligned), as the dense fused GEMM's marlin_load_x_rows.
 template <typename T, int TM>
 inline void marlin_sparse24_load_x(threadgroup T* dst, const device T* x, uint m0, uint k0, uint M, uint K, uint tid) {
-  for (uint e = tid; e < uint(TM * kSparseGemmTileK); e += kGemmThreads) {
-    const uint row = e / kSparseGemmTileK, col = e % kSparseGemmTileK, m = m0 + row;
-    dst[e] = m < M ? x[ulong(m) * K + k0 + col] : T(0.0f);
+  constexpr uint kChunks = kSparseGemmTileK / 4;
+  for (uint e = tid; e < uint(TM) * kChunks; e += kGemmThreads) {
+    const uint row = e / kChunks, col = 4 * (e % kChunks), m = m0 + row;
+    vec<T, 4> v = vec<T, 4>(T(0.0f));
+    if (m < M) {
+      const device T* src = x + ulong(m) * K + k0 + col;
+      v = marlin_aligned ? *(const device vec<T, 4>*)src : vec<T, 4>(src[0], src[1], src[2], src[3]);
+    }
+    *(threadgroup vec<T, 4>*)(dst + marlin_sparse24_x_index(row, col)) = v;
   }
 }
 
 template <typename T, WeightFormat F, int TM>
-[[kernel]] void marlin_sparse24_gemm(const device T* x [[buffer(0)]],
-                                     const device uint* values [[buffer(1)]],
-                                     const device uint* metadata [[buffer(2)]],
-                                     const device half* scales [[buffer(3)]],
-                                     const device half* zeros [[buffer(4)]],
-                                     const device T* bias [[buffer(5)]],
-                                     device T* y [[buffer(6)]],
-                                     device float* partial [[buffer(7)]],
-                                     constant uint& M [[buffer(8)]],
-                                     constant uint& N [[buffer(9)]],
-                                     constant uint& K [[buffer(10)]],
-                                     constant uint& split_rows [[buffer(11)]],
+[[kernel]] void marlin_sparse24_gemm(MARLIN_SPARSE24_BUFFERS(T),
                                      threadgroup T* a_tiles [[threadgroup(0)]],
                                      uint3 tgid [[threadgroup_position_in_grid]],
                                      uint tid [[thread_index_in_threadgroup]],
@@ -100,7 +108,8 @@ template <typename T, WeightFormat F, int TM>
       for (int i = 0; i < MF; ++i) {
         simdgroup_matrix<float, 8, 8> xt;  // rows = K, cols = M
         const uint row = 8 * i + fc, col = 8 * kk + fr;
-        marlin_set_elements(xt, float2(float(a[row * kSparseGemmTileK + col]), float(a[(row + 1) * kSparseGemmTileK + col])));
+        marlin_set_elements(xt, float2(float(a[marlin_sparse24_x_index(row, col)]),
+                                         float(a[marlin_sparse24_x_index(row + 1, col)])));
         for (int j = 0; j < 2; ++j) simdgroup_multiply_accumulate(acc[j][i], wt[j], xt, acc[j][i]);
       }
     }

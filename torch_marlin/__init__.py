@@ -8,6 +8,7 @@ from .moe import MarlinExperts, MarlinExpertsLinear, quantize_experts
 from .layouts import QuantizedExperts, QuantizedWeight, SparseQuantizedWeight
 from .layouts.dense import pack_fp4_weights, quantize_weight
 from .model import QuantizationReport, quantize_model
+from .fused_projections import fuse_projections
 from .quantize import register_quantizer
 from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
 
@@ -19,6 +20,6 @@ enable_transformers_integration()
 __all__ = [
     "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts", "MarlinExpertsLinear",
     "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight", "SparseQuantizedWeight",
-    "dequantize_reference", "enable_transformers_integration", "from_pretrained", "pack_codes", "pack_fp4_weights",
+    "dequantize_reference", "enable_transformers_integration", "from_pretrained", "fuse_projections", "pack_codes", "pack_fp4_weights",
     "quantize_experts", "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
 ]

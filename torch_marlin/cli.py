@@ -74,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--gguf-file", default=None, metavar="NAME",
                       help="convert this GGUF file of the SRC directory or Hub repo (SRC may also be a .gguf file)")
     conv.add_argument("--revision", default=None, help="branch, tag or commit of a Hub repo id SRC (default main)")
+    conv.add_argument("--fuse-projections", action="store_true",
+                      help="load q|k|v and gate|up as one weight each (exact; the tensors stay per layer)")
     conv.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     conv.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_calibration_arguments(conv)
@@ -144,6 +146,10 @@ def _convert(args) -> int:
     if args.act_order and args.method != "gptq":
         print("error: --act-order is a GPTQ option (--method gptq)", file=sys.stderr)
         return _EXIT_USAGE
+    if calibrated and args.fuse_projections:
+        print("error: --fuse-projections is not supported with --method yet; convert without it and load with "
+              "torch_marlin.from_pretrained(path, fuse_projections=True)", file=sys.stderr)
+        return _EXIT_USAGE
     if args.bits is not None or args.entropy_code:
         return _convert_entropy_coded(args)
     if calibrated:
@@ -158,7 +164,7 @@ def _convert(args) -> int:
                            quantize_lm_head=args.quantize_lm_head,
                            max_shard_bytes=args.max_shard_size * 2 ** 20, progress=not args.no_progress,
                            revision=args.revision, sparsity=args.sparsity, requantize=args.requantize,
-                           gguf_file=args.gguf_file)
+                           gguf_file=args.gguf_file, fuse_projections=args.fuse_projections)
     return _report(run)
 
 

@@ -10,7 +10,7 @@ from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 from torch import nn
 
-from . import formats
+from . import formats, fused_projections
 from .calibration import quantize_model_calibrated
 from .float_linear import is_float_linear
 from .linear import MarlinLinear
@@ -40,6 +40,7 @@ class QuantizationReport:
     unreached: List[str] = field(default_factory=list)  # never called on the calibration data: mse
     # method="gptq" on expert stacks: {stack name: [ExpertError per expert]} (torch_marlin.moe_gptq)
     expert_errors: Dict[str, List[ExpertError]] = field(default_factory=dict)
+    fused: List[str] = field(default_factory=list)  # fused projections (fuse_projections=True)
     calibration_batches: int = 0
     seconds: float = 0.0
     # bits= (entropy-coded layout): every byte of each layer's coded weight per weight
@@ -116,6 +117,7 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
                    include: Patterns = None, exclude: Patterns = None,
                    method: str = "mse", calibration: Optional[Iterable] = None,
                    sparsity: Optional[str] = None, bits: Optional[float] = None, entropy_code: bool = False,
+                   fuse_projections: bool = False,
                    **options) -> QuantizationReport:
     """Replace every linear layer (nn.Linear, and transformers' Conv1D) whose
     qualified name matches `include` (glob patterns, a plain name also matching
@@ -140,6 +142,11 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     quantizer), "sparsegpt" or "wanda" (sequential on `calibration` as GPTQ;
     options damp / block_size, torch_marlin.sparsegpt).
 
+    fuse_projections=True then fuses the quantized linear layers that read the
+    same input (q_proj|k_proj|v_proj, gate_proj|up_proj siblings) into one wider
+    weight each (torch_marlin.fused_projections: one matmul per group at decode,
+    outputs identical to the separate layers); report.fused lists them.
+
     Expert stacks are always quantized dense; with a pruning method, without
     calibration (the quantizer "mse"): SparseGPT and 2:4 for experts are not implemented.
 
@@ -151,6 +158,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if bits is not None or entropy_code:
+        if fuse_projections:
+            raise ValueError("fuse_projections=True works on the dense layout only, not with bits= / entropy_code=True")
         from .rans_quantize import quantize_model_entropy_coded
 
         return quantize_model_entropy_coded(model, weight_format, group_size, include, exclude, method,
@@ -158,6 +167,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     # Checked here, not per layer, so the error does not carry the first layer's name.
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     pruning, quantizer = split_method(method, sparsity)
     include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
     report = QuantizationReport()
@@ -210,6 +221,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
             model.set_submodule(name, quantized)
     warn_unsupported(model, report.experts_unsupported, stacklevel=3)
     _warn_unmatched(report, include_p or [], exclude_p)
+    if fuse_projections:
+        report.fused = fused_projections.fuse_projections(model)
     return report
 
 

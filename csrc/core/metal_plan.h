@@ -108,6 +108,13 @@ inline constexpr int64_t kSplitMinK = 512;                // GEMMs: at least thi
 inline constexpr int64_t kSplitMax = 16;
 std::pair<int64_t, int64_t> k_slices(int64_t tiles, int64_t kr, int64_t target, int64_t min_rows,
                                      int64_t unit_rows);
+// The GEMVs (dense, routed experts, 2:4): split when their threadgroups are below
+// 2 x 64 (about twice the GPU cores of an M1 Ultra; M2/M3 Ultra have 76/80),
+// each slice at least one block per planned simdgroup. N = 4096 is not split:
+// the dependent reduce dispatch would cost more than the imbalance it removes
+// (to be tuned on hardware with benchmarks/bench_mps.py).
+inline constexpr int64_t kGemvMinThreadgroups = 128;
+inline constexpr int64_t kGemvMinSplitRows = int64_t(kGemvSimdgroups) * kGemvBlockRows;
 
 // The K split's second launch: marlin_reduce (metal/marlin_reduce.h) sums the
 // fp32 partials [splits, m, n] (workspace 0) into the output, adding the bias

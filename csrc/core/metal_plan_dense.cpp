@@ -12,15 +12,6 @@ namespace marlin {
 namespace metal {
 namespace {
 
-// K split (k_slices in core/metal_plan.h) when the output tiles alone would
-// leave most of a large GPU idle. GEMV: split when N / kGemvColumns is below 2 x 64 threadgroups (about twice
-// the GPU cores of an M1 Ultra; M2/M3 Ultra have 76/80), each slice at least one
-// block per planned simdgroup. N = 4096 is not split: the dependent reduce
-// dispatch would cost more than the imbalance it removes (to be tuned on
-// hardware with benchmarks/bench_mps.py).
-constexpr int64_t kGemvMinThreadgroups = 128;
-constexpr int64_t kGemvMinSplitRows = int64_t(kGemvSimdgroups) * kGemvBlockRows;
-
 // Argument numbers in the schemas (csrc/registration.cpp).
 enum GemmArg { kGemmX = 0, kGemmPacked, kGemmScales, kGemmZeros, kGemmBias };
 enum DequantizeArg { kDequantPacked = 0, kDequantScales, kDequantZeros };

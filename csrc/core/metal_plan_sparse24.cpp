@@ -35,41 +35,41 @@ Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at:
   u32(m, "M");
   const std::string suffix = std::string(weight_format_name(s.format)) + "_" + dtype_name(dtype);
 
-  if (m <= kGemvMaxRows) {
-    const int64_t mr = m == 1 ? 1 : (m <= 4 ? 4 : 8);
-    Launch l;
-    l.source = "sparse24_gemv";
-    l.kernel = "marlin_sparse24_gemv_" + suffix + "_m" + std::to_string(mr);
-    l.set(kFcHasBias, has_bias);
-    l.set(kFcGroupRows, group_rows_constant(group_size));
-    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
-    l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
-    l.grid = {ceil_div(n, kGemvColumns), 1, 1};
-    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(mr));
-    l.bindings = {arg(0, kGemmX),      arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
-                  arg(4, kGemmZeros),  arg(5, kGemmBias),   output(6),             scalar(7, m, "M"),
-                  scalar(8, n, "N"),   scalar(9, k, "K")};
-    check_launch(l);
-    p.launches.push_back(std::move(l));
-    return p;
-  }
-
-  // Fragments decoded in registers for every M > 8: TM x 64 tiles (TM 32 or 64).
-  const int64_t tm = m <= 32 ? 32 : 64;
-  const int64_t tiles = ceil_div(n, kGemmTileN) * ceil_div(m, tm);
-  // K split as the dense GEMMs, in values rows: whole 32-deep stages (2 values rows, one metadata row).
-  const auto [splits, split_rows] = k_slices(tiles, k / kSparseValueRows, kSplitTargetThreadgroups,
-                                             kSplitMinK / kSparseValueRows, kSparseGemmTileK / kSparseValueRows);
+  // Vector loads of x, values, metadata and params (N % 4 == 0, 16-byte aligned offsets).
+  const bool aligned = vector_loads(x, values, scales, zeros, n) && aligned16(metadata);
+  const bool gemv = m <= kGemvMaxRows;
+  const int64_t tm = gemv ? (m == 1 ? 1 : (m <= 4 ? 4 : 8)) : (m <= 32 ? 32 : 64);
+  const int64_t tiles = gemv ? ceil_div(n, kGemvColumns) : ceil_div(n, kGemmTileN) * ceil_div(m, tm);
+  // K split as the dense kernels, in values rows: the GEMV in whole 8-row blocks (128 K, a simdgroup's
+  // step), at least one per planned simdgroup; the GEMM in whole 32-deep stages (2 values rows, one
+  // metadata row).
+  constexpr int64_t kGemvBlockValueRows = kGemvBlockRows * kPackFactor / kSparseValueRows;
+  const auto [splits, split_rows] =
+      gemv ? k_slices(tiles, k / kSparseValueRows, kGemvMinThreadgroups, kGemvSimdgroups * kGemvBlockValueRows,
+                      kGemvBlockValueRows)
+           : k_slices(tiles, k / kSparseValueRows, kSplitTargetThreadgroups, kSplitMinK / kSparseValueRows,
+                      kSparseGemmTileK / kSparseValueRows);
 
   Launch l;
-  l.source = "sparse24_gemm";
-  l.kernel = "marlin_sparse24_gemm_" + suffix + "_tm" + std::to_string(tm);
-  l.threadgroup_memory = 2 * tm * kSparseGemmTileK * dtype_size(dtype);  // double-buffered x tile
+  if (gemv) {
+    l.source = "sparse24_gemv";
+    l.kernel = "marlin_sparse24_gemv_" + suffix + "_m" + std::to_string(tm);
+    l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
+    l.min_threads_x = kSimdWidth;  // splits K over however many simdgroups it gets
+    l.grid = {ceil_div(n, kGemvColumns), splits, 1};
+    l.threadgroup_memory = gemv_threadgroup_memory(static_cast<int>(tm));
+  } else {
+    // Fragments decoded in registers for every M > 8: TM x 64 tiles (TM 32 or 64).
+    l.source = "sparse24_gemm";
+    l.kernel = "marlin_sparse24_gemm_" + suffix + "_tm" + std::to_string(tm);
+    l.threadgroup = {kGemmThreads, 1, 1};
+    l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+    l.threadgroup_memory = sparse_gemm_threadgroup_memory(static_cast<int>(tm), static_cast<int>(dtype_size(dtype)));
+  }
   l.set(kFcHasBias, has_bias && splits == 1);
   l.set(kFcWritePartial, splits > 1);
   l.set(kFcGroupRows, group_rows_constant(group_size));
-  l.threadgroup = {kGemmThreads, 1, 1};
-  l.grid = {ceil_div(n, kGemmTileN), ceil_div(m, tm), splits};
+  l.set(kFcAligned, aligned);
   l.bindings = {arg(0, kGemmX),          arg(1, kGemmValues), arg(2, kGemmMetadata), arg(3, kGemmScales),
                 arg(4, kGemmZeros),      arg(5, kGemmBias),   output(6),             workspace(7),
                 scalar(8, m, "M"),       scalar(9, n, "N"),   scalar(10, k, "K"),    scalar(11, split_rows, "split rows")};

@@ -6,6 +6,7 @@ then the combining epilogue) under two random emulator schedules.
 Tolerance: max |metal - cpu| / max |cpu| <= GEMM_TOL[dtype] (metal_helpers.py).
 """
 
+import math
 import shutil
 
 import pytest
@@ -17,7 +18,14 @@ from torch_marlin.testing.metal import library, metal_dir, metal_plan, run_metal
 
 from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err
 
-GEMV_MAX_PAIRS = 64  # csrc/core/metal_plan_experts.cpp kMoeGemvMaxPairs
+ROUTING = ["marlin_moe_count", "marlin_moe_offsets", "marlin_moe_scatter"]
+
+
+def gemv_path(pairs, experts):
+    """csrc/core/metal_plan_experts.cpp moe_use_gemv: the GEMV unless the pairs outnumber 5x the expected
+    grouped-GEMM tiles (the experts a uniform routing touches, times the 32-row tiles each needs)."""
+    touched = experts * (1 - (1 - 1 / experts) ** pairs)
+    return pairs == 0 or pairs <= 5 * touched * math.ceil(pairs / (touched * 32))
 
 
 def make_stack(fmt, experts, k, n, group_size, gen):
@@ -44,8 +52,8 @@ def check(fmt, dtype, ids, k, n, group_size, seed, weighted=True, shared=True, b
         assert out.shape == ref.shape and out.dtype == ref.dtype
         kernels = [launch["kernel"] for launch in plan["launches"]]
         dt = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[dtype]
-        matmul = (["marlin_moe_route", f"marlin_moe_gemm_{fmt}_{dt}"] if ids.numel() > GEMV_MAX_PAIRS
-                  else [f"marlin_moe_gemv_{fmt}_{dt}"])
+        matmul = ([f"marlin_moe_gemv_{fmt}_{dt}"] if gemv_path(ids.numel(), experts)
+                  else ROUTING + [f"marlin_moe_gemm_{fmt}_{dt}"])
         assert kernels == matmul + [f"marlin_moe_combine_{dt}"], kernels
         for launch, st in zip(plan["launches"], stats):
             assert st.threadgroup_memory <= 32768
@@ -88,7 +96,7 @@ def test_routing_edge_cases(path_tokens):
 
 
 def test_routing_needs_its_device_memory_barriers(tmp_path, monkeypatch):
-    """The routing kernel hands its per-expert counts from thread to thread through device memory: with its
+    """The routing's count kernel hands its per-expert counts from lane to lane through device memory: with its
     barriers weakened to mem_threadgroup (which orders threadgroup memory only) the emulator reports the race
     (docs/MSLSIM.md, "Race detection"); as written, the grouped path passes (test above)."""
     src = (metal_dir() / "moe.metal").read_text()
@@ -100,7 +108,7 @@ def test_routing_needs_its_device_memory_barriers(tmp_path, monkeypatch):
     gen = torch.Generator().manual_seed(2)
     packed, scales, zeros = make_stack("int4", 5, 64, 40, 32, gen)
     ids = routed(40, 2, 5, gen)  # 80 pairs: routing + grouped GEMM
-    with pytest.raises(mslsim.MSLSimError, match=r"kernel 'marlin_moe_route': device memory race .* of buffer\(\d+\)"
+    with pytest.raises(mslsim.MSLSimError, match=r"kernel 'marlin_moe_count': device memory race .* of buffer\(\d+\)"
                                                  r".*not ordered by a threadgroup_barrier with mem_flags::mem_device"):
         run_metal_with_stats("moe_gemm", torch.randn(40, 64, generator=gen), ids, None, packed, scales, zeros,
                              None, "int4", 32)
@@ -147,17 +155,21 @@ def test_plan_threshold_grid_and_every_kernel_reachable():
     for dtype in DTYPES:
         for fmt in FORMATS:
             zeros = scales if has_zeros(fmt) else None
-            for tokens, top_k in ((1, 8), (8, 8), (9, 8), (512, 8)):
+            for tokens, top_k in ((1, 6), (1, 8), (8, 8), (9, 8), (512, 8)):
                 x = torch.empty(tokens, 128, dtype=dtype, **meta)
                 ids = torch.empty(tokens, top_k, dtype=torch.long, **meta)
                 plan = metal_plan("moe_gemm", x, ids, None, packed, scales, zeros, None, fmt, 32)
                 seen |= {launch["kernel"] for launch in plan["launches"]}
                 pairs = tokens * top_k
-                assert plan["path"] == ("gemv" if pairs <= GEMV_MAX_PAIRS else "grouped")
+                assert plan["path"] == ("gemv" if gemv_path(pairs, 6) else "grouped")
+                assert plan["path"] == ("gemv" if pairs <= 8 else "grouped")  # 6 experts: 64 pairs are 11 per expert
                 if plan["path"] == "grouped":
-                    route, gemm, combine = plan["launches"]
+                    count, offsets, scatter, gemm, combine = plan["launches"]
                     max_tiles = -(-pairs // 32) + min(6, pairs)
-                    assert route["grid"] == [1, 1, 1] and gemm["grid"] == [2, max_tiles, 1]
+                    chunks = -(-pairs // 256)
+                    assert count["grid"] == [chunks, 1, 1] and count["threadgroup"] == [32, 1, 1]
+                    assert offsets["grid"] == [1, 1, 1] and scatter["grid"] == [-(-pairs // 256), 1, 1]
+                    assert gemm["grid"] == [2, max_tiles, 1]
                     size = torch.empty(0, dtype=dtype).element_size()
                     assert gemm["threadgroup_memory"] == 2 * 32 * (16 + 16 // size) * size  # padded x tiles
                 else:
@@ -165,6 +177,76 @@ def test_plan_threshold_grid_and_every_kernel_reachable():
                 for launch in plan["launches"]:
                     assert launch["threadgroup_memory"] <= 32768
     assert set(library("moe").kernels()) <= seen, sorted(set(library("moe").kernels()) - seen)
+
+
+@pytest.mark.parametrize("experts, top_k, tokens, path", [
+    (8, 2, 1, "gemv"), (8, 2, 4, "gemv"),
+    (8, 2, 32, "grouped"),  # Mixtral: 64 pairs, ~8 per expert; the GEMV path would read each expert ~8 times
+    (128, 8, 16, "gemv"),  # Qwen3-MoE: 128 pairs over ~81 experts
+    (128, 8, 512, "grouped"),
+])
+def test_plan_path_follows_pairs_per_expert(experts, top_k, tokens, path):
+    packed = torch.empty(experts, 4096 // 8, 64, dtype=torch.int32, device="meta")
+    scales = torch.empty(experts, 32, 64, dtype=torch.float16, device="meta")
+    x = torch.empty(tokens, 4096, dtype=torch.float16, device="meta")
+    ids = torch.empty(tokens, top_k, dtype=torch.long, device="meta")
+    assert metal_plan("moe_gemm", x, ids, None, packed, scales, None, None, "fp4", 128)["path"] == path
+
+
+def test_gemv_k_split_for_narrow_experts():
+    """Few (32-column, pair) threadgroups: the per-pair GEMV splits K as the dense GEMV does, and the
+    combining epilogue sums the slices in order (no reduce launch)."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([[1, 3]])
+    plan = check("int4", torch.float32, ids, 2048, 40, 128, seed=4, experts=4)
+    gemv = plan["launches"][0]
+    assert plan["splits"] == 2 and gemv["grid"] == [2, 2, 2] and len(plan["launches"]) == 2
+    plan = check("fp4", torch.float16, routed(2, 2, 4, gen), 4096, 24, -1, seed=5, weighted=False, experts=4)
+    assert plan["splits"] == 4  # at most K / 1024 slices
+
+
+def run_routing(ids, experts, seed=0):
+    """The plan's routing launches alone: (expert_start, order, tiles, tile_count)."""
+    packed = torch.zeros(experts, 4, 8, dtype=torch.int32)
+    scales = torch.ones(experts, 1, 8, dtype=torch.float16)
+    x = torch.zeros(ids.shape[0], 32)
+    plan = metal_plan("moe_gemm", x, ids, None, packed, scales, None, None, "int4", -1)
+    assert plan["path"] == "grouped"
+    tensors = {"expert_ids": ids.contiguous()}
+    tensors.update({w["name"]: torch.full(w["shape"], -1, dtype=getattr(torch, w["dtype"]))
+                    for w in plan["workspaces"]})
+    for launch in plan["launches"]:
+        if launch["kernel"] not in ROUTING:
+            continue
+        bind = {i: value if role == "scalar" else tensors[role] for i, role, value in launch["bindings"]}
+        library("moe").launch(launch["kernel"], grid=tuple(launch["grid"]), threadgroup=tuple(launch["threadgroup"]),
+                              args=bind, seed=seed)
+    return tensors["expert_start"], tensors["order"], tensors["tiles"], int(tensors["tile_count"][0]), plan
+
+
+@pytest.mark.parametrize("experts, tokens, top_k", [(128, 256, 8), (256, 2048, 8), (256, 1500, 1), (7, 3000, 2)])
+def test_routing_large_expert_counts(experts, tokens, top_k):
+    """The counting sort (count per chunk, offsets, scatter) against a stable sort, with many experts and
+    pairs over several chunks; an invalid id is left out of every expert."""
+    gen = torch.Generator().manual_seed(experts + tokens)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+    if experts == 7:  # skewed: most pairs on two experts, one expert empty, one invalid id
+        ids = torch.where(ids < 5, ids % 2, ids)
+        ids[5, 1] = experts
+    flat = ids.flatten().long()
+    valid = (flat >= 0) & (flat < experts)
+    counts = torch.bincount(flat[valid], minlength=experts)
+    start = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    order_ref = torch.nonzero(valid).flatten()[torch.sort(flat[valid], stable=True).indices]
+    tiles_ref = [(e, int(start[e]) + r) for e in range(experts) for r in range(0, int(counts[e]), 32)]
+    for seed in SEEDS:
+        expert_start, order, tiles, tile_count, plan = run_routing(ids, experts, seed)
+        assert torch.equal(expert_start.long(), start)
+        assert torch.equal(order[:int(valid.sum())].long(), order_ref)
+        assert tile_count == len(tiles_ref)
+        assert tiles[:2 * tile_count].view(-1, 2).tolist() == [list(t) for t in tiles_ref]
+    chunks = plan["launches"][0]["grid"][0]
+    assert chunks == -(-flat.numel() // 256)
 
 
 @pytest.mark.parametrize("case", [
@@ -185,3 +267,10 @@ def test_same_errors_as_cpu(case):
     with pytest.raises(type(cpu.value)) as planned:
         metal_plan("moe_gemm", **args)
     assert str(planned.value).split("\n")[0] == str(cpu.value).split("\n")[0]
+
+
+def test_grouped_path_with_many_experts():
+    """128 experts, 800 pairs over several routing chunks: the whole plan against the CPU op."""
+    gen = torch.Generator().manual_seed(6)
+    plan = check("int4", torch.float32, routed(400, 2, 128, gen), 64, 8, 32, seed=6, experts=128)
+    assert plan["path"] == "grouped" and plan["launches"][0]["grid"] == [4, 1, 1]

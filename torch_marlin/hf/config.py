@@ -56,6 +56,9 @@ def validate_quantization_config(qc: dict) -> Dict[str, dict]:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"torch_marlin checkpoint format_version {version} is not supported "
                               f"(this version reads {FORMAT_VERSION})")
+    if not isinstance(qc.get("fuse_projections", False), bool):
+        raise CheckpointError(f"quantization_config.fuse_projections must be true or false, got "
+                              f"{qc['fuse_projections']!r}")
     modules = qc.get("modules")
     if not isinstance(modules, dict):
         raise CheckpointError("torch_marlin quantization_config has no 'modules' table")

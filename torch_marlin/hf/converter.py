@@ -105,7 +105,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
             overwrite: bool = False, allow_pickle: bool = False, quantize_lm_head: bool = False,
             max_shard_bytes: int = 2 * 2 ** 30, progress: bool = True,
             revision: Optional[str] = None, sparsity: Optional[str] = None,
-            requantize: bool = False, gguf_file: Optional[str] = None) -> ConversionSummary:
+            requantize: bool = False, gguf_file: Optional[str] = None,
+            fuse_projections: bool = False) -> ConversionSummary:
     """Convert model directory `src` into torch_marlin checkpoint directory `dst`.
 
     `src` may also be a Hugging Face Hub repo id ("org/name", at `revision`),
@@ -121,7 +122,11 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
     `requantize` applies to MLX and GGUF sources: their layers stored in a form
     with no exact torch_marlin format (8-bit, Q6_K, ...) are re-quantized with
     weight_format/group_size/quantizer instead of kept in float (docs/CONVERT.md).
+    `fuse_projections=True` marks the checkpoint so that loading fuses its q|k|v
+    and gate|up siblings (torch_marlin.fused_projections; the tensors stay per layer).
     """
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     formats.check_weight_format(weight_format)
     formats.check_group_size(group_size)
     layout_for_sparsity(sparsity)
@@ -168,6 +173,8 @@ def convert(src: str, dst: str, weight_format: str = "fp4", group_size: int = 12
         for key in ("quantization_config", *importer.CONFIG_KEYS):
             config.pop(key, None)
         config["quantization_config"] = build_quantization_config(importer, modules, result.layers_in_float)
+        if fuse_projections:
+            config["quantization_config"]["fuse_projections"] = True
         if dtype is not None:
             config["dtype"] = dtype
             if "torch_dtype" in config:

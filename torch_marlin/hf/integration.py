@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 from typing import List, Optional
 
 from .. import formats
@@ -108,7 +109,8 @@ def _define_classes():
 
         def __init__(self, weight_format: str = "fp4", group_size: int = 128, quantizer: str = "mse",
                      modules_to_not_convert: Optional[List[str]] = None, modules: Optional[dict] = None,
-                     format_version: int = FORMAT_VERSION, source: Optional[dict] = None, **kwargs):
+                     format_version: int = FORMAT_VERSION, source: Optional[dict] = None,
+                     fuse_projections: bool = False, **kwargs):
             if modules is None or weight_format != GRID:  # "grid" only names converted entropy-coded layers
                 formats.check_weight_format(weight_format)
                 formats.check_group_size(group_size)
@@ -124,6 +126,9 @@ def _define_classes():
             self.modules_to_not_convert = list(modules_to_not_convert or [])
             self.modules = modules
             self.source = source or {"method": "float", "quantizer": quantizer}
+            if not isinstance(fuse_projections, bool):
+                raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
+            self.fuse_projections = fuse_projections  # fuse q|k|v, gate|up after loading
             if modules is not None:
                 validate_quantization_config(self.to_dict())
 
@@ -147,6 +152,10 @@ def _define_classes():
             qc = self.quantization_config
             if self.pre_quantized:
                 check_loaded(model)
+                if qc.fuse_projections:
+                    from ..fused_projections import fuse_projections
+
+                    self.fused_projections = bool(fuse_projections(model))
                 return model
             skips = default_skips(model, qc.modules_to_not_convert)
             qc.modules = quantize_linear_modules(model, qc.weight_format, qc.group_size, qc.quantizer, skips)
@@ -155,6 +164,12 @@ def _define_classes():
             return model
 
         def is_serializable(self, *args, **kwargs):
+            # A fused model's state dict holds the fused tensors, which the per-layer modules
+            # table does not describe: refuse to save it rather than write an unloadable checkpoint.
+            if getattr(self, "fused_projections", False):
+                warnings.warn("this model's projections are fused (torch_marlin.fused_projections) and are not "
+                              "saved fused: load the checkpoint without fusing to save it", stacklevel=2)
+                return False
             return True
 
         @property

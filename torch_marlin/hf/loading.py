@@ -13,7 +13,8 @@ from .errors import CheckpointError
 
 
 def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-                    dtype: Optional[torch.dtype] = None, model_class=None, **kwargs):
+                    dtype: Optional[torch.dtype] = None, model_class=None, fuse_projections: bool = False,
+                    **kwargs):
     """Load a torch_marlin checkpoint directory (from `torch-marlin convert` or
     `save_pretrained`) as a transformers model with MarlinLinear layers.
 
@@ -22,12 +23,19 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
     loaded, then it is moved to `device` ("cpu" or "mps"). `dtype` sets the
     dtype of the layers left in float (default: the checkpoint's).
     `model_class` defaults to the config's architecture (e.g. LlamaForCausalLM);
-    other keyword arguments go to transformers' from_pretrained.
+    fuse_projections=True fuses the quantized q|k|v and gate|up siblings into one
+    weight each after loading (torch_marlin.fused_projections: exact, a
+    concatenation of the stored codes and scales; the checkpoint stays per layer).
+    A checkpoint converted with `torch-marlin convert --fuse-projections` is
+    fused on load in any case (here and through transformers' from_pretrained).
+    Other keyword arguments go to transformers' from_pretrained.
     """
     if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
         raise CheckpointError(f"path must be a local checkpoint directory, got {path!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    if not isinstance(fuse_projections, bool):
+        raise TypeError(f"fuse_projections must be a bool, got {fuse_projections!r}")
     device = torch.device(device)
     if device.type not in ("cpu", "mps"):
         raise ValueError(f"device must be 'cpu' or 'mps', got {device}")
@@ -60,4 +68,9 @@ def from_pretrained(path: Union[str, os.PathLike], device: Union[str, torch.devi
     if mismatched:
         raise CheckpointError(f"{path}: tensors whose shape does not match the config: {list(mismatched)[:5]}")
     model.eval()
+    if fuse_projections:  # a no-op where the checkpoint's config already fused them
+        from ..fused_projections import fuse_projections as fuse
+
+        if fuse(model) and getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.fused_projections = True  # is_serializable: not saved fused
     return model.to(device)
