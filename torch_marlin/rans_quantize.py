@@ -461,7 +461,7 @@ def quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_siz
                                  method: str, calibration, sparsity, bits: Optional[float], entropy_code: bool,
                                  **options):
     """quantize_model with bits= (the grid) or entropy_code=True (lossless); see quantize_model."""
-    from .experts import find_experts_modules
+    from .moe import find_experts_modules
     from .model import QuantizationReport, _patterns, _warn_unmatched, matches_any, quantize_model, \
         select_linear_layers
 

@@ -9,7 +9,7 @@ import torch
 
 import torch_marlin
 from torch_marlin.fused_projections import FusedProjection, ProjectionSlice
-from torch_marlin.hf.convert import convert
+from torch_marlin.hf.converter import convert
 
 from hf_helpers import VOCAB, build_tiny_model
 

@@ -150,7 +150,7 @@ class RansQuantizedWeight(QuantizedLayout):
         if weight_format == GRID:
             raise ValueError("weight_format='grid' is made by the rate-controlled quantizer: "
                              "MarlinLinear.from_linear(linear, bits=...) or quantize_model(model, bits=...)")
-        from ..quantize import quantize_weight
+        from .dense import quantize_weight
 
         return cls.from_dense(quantize_weight(weight, weight_format, group_size, method))
 
