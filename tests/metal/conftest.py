@@ -1,14 +1,8 @@
 import os
-import sys
 
 import pytest
 
-try:
-    import torch_marlin.testing.mslsim  # noqa: F401
-except ImportError:  # running from a source checkout without installing
-    sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
-
-from metal_helpers import LARGEST_ERRORS, emulator_unavailable_reason  # noqa: E402
+from metal_helpers import LARGEST_ERRORS, emulator_unavailable_reason
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,7 +22,7 @@ K_FOR_GROUP = {16: 208, 32: 96, 64: 192, 128: 384, 256: 512, -1: 200}
 @functools.lru_cache(maxsize=1)
 def emulator_unavailable_reason():
     try:
-        from torch_marlin.testing import mslsim
+        import mslsim
         from torch_marlin.testing.metal import library
 
         lib = library("dequant")

@@ -5,7 +5,7 @@ compiled as C++17 against a shim ``metal_stdlib``; every GPU thread of a
 threadgroup runs as a fiber with Apple-GPU execution semantics (32-wide
 simdgroups, rendezvous at barriers and simd collectives, shuffled schedule).
 
-    from torch_marlin.testing import mslsim
+    import mslsim
     lib = mslsim.compile("metal/foo.metal")
     lib.launch("foo", grid=(4, 1, 1), threadgroup=(128, 1, 1), args={0: x, 1: y, 2: 128})
 """
