@@ -50,7 +50,7 @@ def library(source: str):
     """The emulator library of metal/<source>.metal (compiled once per process, cached on disk)."""
     mslsim = emulator()
     d = metal_dir()
-    key = (str(d), source)
+    key = (str(d), source, mslsim.flush_subnormals_default())
     with _lock:
         if key not in _libs:
             _libs[key] = mslsim.compile(str(d / f"{source}.metal"), include_dirs=(str(d),))
