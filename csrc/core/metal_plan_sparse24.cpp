@@ -36,7 +36,7 @@ Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at:
   const std::string suffix = std::string(weight_format_name(s.format)) + "_" + dtype_name(dtype);
 
   if (m <= kGemvMaxRows) {
-    const int64_t mr = m == 1 ? 1 : (m <= 4 ? 4 : 8);
+    const int64_t mr = gemv_kernel_rows(static_cast<int>(m));
     Launch l;
     l.source = "sparse24_gemv";
     l.kernel = "marlin_sparse24_gemv_" + suffix + "_m" + std::to_string(mr);
