@@ -8,13 +8,18 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.torch_marlin-installed
 SOURCES := setup.py pyproject.toml mslsim/pyproject.toml $(shell find csrc metal -type f 2>/dev/null)
 
-.PHONY: example test
+.PHONY: example test mac-report
 
 example: $(STAMP)
 	$(PY) examples/quickstart.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=10 tests
+
+# On a Mac: build with Xcode, compile the kernels with Apple's compiler, MPS tests and benchmarks
+# -> mac_report.json (docs/MAC.md). Refuses elsewhere.
+mac-report: $(STAMP)
+	$(PY) scripts/mac_report.py --out mac_report.json
 
 $(STAMP): $(SOURCES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
