@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_namespace_packages, setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
@@ -88,14 +88,12 @@ def extension():
 
 
 setup(
-    # Namespace discovery also lists the data folders without __init__.py
-    # (mslsim's include/ and runtime/) as packages, which their package_data needs.
-    packages=find_namespace_packages(include=["torch_marlin", "torch_marlin.*"]),
+    # The MSL emulator (mslsim/) is a package of its own, installed by the test set-up, not shipped here.
+    packages=find_packages(include=["torch_marlin", "torch_marlin.*"]),
     # Packages live at the top of the checkout: an editable install is then a plain
     # path entry, without setuptools' notice about folders that could shadow them.
     package_dir={"": "."},
     package_data={
-        "torch_marlin.testing.mslsim": ["include/*", "include/**/*", "runtime/*", "runtime/**/*"],
         "torch_marlin.testing": ["calibration_en.txt"],
     },
     ext_modules=[extension()],

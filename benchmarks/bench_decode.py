@@ -26,6 +26,7 @@ the peak while decoding and prefilling (VmHWM, reset after the model is
 built), and the lifetime peak including building and quantizing.
 
     python benchmarks/bench_decode.py [--quick] [--variants bfloat16,marlin-fp4] [--json bench_decode.json]
+    python benchmarks/bench_decode.py --device mps --no-rss   # on a Mac: the Metal kernels (scripts/mac_report.py)
 """
 
 from __future__ import annotations
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 layers, 1 round, 16 new tokens, 128-token prefill")
     parser.add_argument("--no-rss", action="store_true", help="skip the per-variant RSS processes")
     parser.add_argument("--json", default="bench_decode.json")
+    parser.add_argument("--device", default="cpu", help="cpu, or mps on a Mac (wall clock, synchronized per step)")
     parser.add_argument("--rss-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
@@ -222,6 +224,17 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; choose from {VARIANTS}")
+    device = torch.device(args.device)
+    clock = CLOCKS[args.clock]
+    if device.type == "mps":  # asynchronous: each timed step ends with a synchronize
+        if "torch-int4" in variants or not args.no_rss:
+            raise SystemExit("--device mps: torch-int4 is a CPU path, and the RSS processes measure CPU memory; "
+                             "pass --no-rss and leave torch-int4 out")
+        if args.clock != "wall":
+            raise SystemExit("--device mps measures wall time (--clock wall)")
+        clock = lambda: (torch.mps.synchronize(), time.perf_counter())[1]  # noqa: E731
+    elif device.type != "cpu":
+        raise SystemExit(f"--device must be cpu or mps, got {args.device!r}")
     cpu = cpu_description()
     kernels = json.loads(torch.ops.marlin._cpu_kernels())["selected"]
     print(f"# {cpu['model']}, ISA flags: {' '.join(cpu['isa_flags'])}; torch {torch.__version__}, "
@@ -234,6 +247,7 @@ def main() -> None:
     models, notes = {}, {}
     for v in variants:
         models[v], notes[v] = build_variant(v, args.layers, base)
+        models[v].to(device)
         if notes[v]:
             print(f"# {v}: {notes[v]}")
     del base
@@ -241,8 +255,8 @@ def main() -> None:
 
     vocab = llama_1b_config().vocab_size
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(vocab, (1, args.prompt_tokens), generator=g)
-    long_prompt = torch.randint(vocab, (1, args.prefill_tokens), generator=g)
+    prompt = torch.randint(vocab, (1, args.prompt_tokens), generator=g).to(device)
+    long_prompt = torch.randint(vocab, (1, args.prefill_tokens), generator=g).to(device)
     steps = {v: [] for v in variants}
     prefills = {v: [] for v in variants}
     for v in variants:  # warm-up
@@ -250,8 +264,8 @@ def main() -> None:
         prefill_seconds(models[v], long_prompt[:, :64])
     for _ in range(args.rounds):
         for v in variants:
-            steps[v] += decode_step_times(models[v], prompt, args.new_tokens, CLOCKS[args.clock])
-            prefills[v].append(prefill_seconds(models[v], long_prompt, CLOCKS[args.clock]))
+            steps[v] += decode_step_times(models[v], prompt, args.new_tokens, clock)
+            prefills[v].append(prefill_seconds(models[v], long_prompt, clock))
 
     rss = {}
     if not args.no_rss:
@@ -282,7 +296,7 @@ def main() -> None:
         run_peak, life_peak = (f"{r[k]:.0f}" if k in r else "-" for k in ("running_peak_mib", "lifetime_peak_mib"))
         print(f"{r['variant']:13} | {d:12.2f} {xb[0]} {xi} | {p:13.1f} {xb[1]} | {run_peak:>11} {life_peak:>12}")
     with open(args.json, "w") as f:
-        json.dump(dict(cpu=cpu, kernels=kernels, torch=torch.__version__, threads=args.threads, clock=args.clock, layers=args.layers,
+        json.dump(dict(cpu=cpu, kernels=kernels, device=args.device, torch=torch.__version__, threads=args.threads, clock=args.clock, layers=args.layers,
                        new_tokens=args.new_tokens, prompt_tokens=args.prompt_tokens,
                        prefill_tokens=args.prefill_tokens, rounds=args.rounds, results=results), f, indent=1)
     print(f"wrote {args.json}")

@@ -98,11 +98,12 @@ def param_bytes(fmt, gs):
 def decode_word(fmt):
     """marlin_raw_pair for p = 0..3 with constant p (metal/marlin_dequant.h): (simple, complex) per word."""
     if fmt == "fp4":
-        # per pair: (t + t) & 0x0E000E00 | (t << 4) & 0x80008000 with t = w << 8, w << 4, w, w >> 4.
-        # Counted as the compiler canonicalizes it: the shifts fold into w << 9, 12 (p = 0), 5, 8
-        # (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and w >> 3, w (p = 3; clang -O2 emits
-        # exactly these): 8 and + 4 or + 2 iadd full rate, 5 quarter-rate shifts
-        return 8 + 4 + 2, 5
+        # per pair, t = w << 8, w << 4, w, w >> 4: a = 0x3C003C00 + ((t & 0x07000700) << 1), then
+        # min(a, fma(a, 2, -2)) as half2 (4 fp16 instructions), | (t << 4) & 0x80008000. The shifts
+        # fold into w << 9, 12 (p = 0), 5, 8 (p = 1), 1, 4 (p = 2: iadd with shift, full rate) and
+        # w >> 3, w (p = 3): 8 and + 4 or + 4 add + 1 iadd + 16 fp16 full rate, 5 quarter-rate shifts
+        # (before the subnormal-free decode: 8 and + 4 or + 2 iadd, 5 quarter-rate)
+        return 8 + 4 + 4 + 1 + 16, 5
     if fmt == "nf4":
         # marlin_table_pair, per pair: t = w >> 4p (p > 0), t & 15, (t >> 16) & 15, two reads of
         # the 16-value table held in registers (counted as simple instructions): 8 and + 8 reads
@@ -117,7 +118,7 @@ def gemv_costs(fmt, gs, m, dtype="f16"):
     simple, complex_ = decode_word(fmt)
     run = 2 if gs == 16 else 4  # rows summed raw before the group's scale is applied
     flush = (2 if has_zeros(fmt) else 1) / run  # fma (uint4, affine: zero or bias term too) per word and row
-    scale_fold = 1.0 / run if fmt == "fp4" else 0.0  # scale * 2^14, per column and run
+    scale_fold = 1.0 / run if fmt == "fp4" else 0.0  # scale * 1/2, per column and run
     xsum = 2.0 if has_zeros(fmt) else 0.0  # 8 adds per row and word, shared by the lane's 4 columns
     per_row = 8 + flush + xsum
     cvt = 2.0 if dtype == "bf16" else 0.0  # 8 bf16 -> fp32 per row and word, shared by 4 columns
@@ -129,9 +130,9 @@ def gemm_costs(kernel, fmt, gs, tm):
     """Fused / tiled GEMM: (simple, complex, MMA lane-FMAs, bytes) per weight and M tile of tm rows."""
     if kernel == "fused":
         # per lane and fragment one pair (2 weights) with a lane-dependent p: fp4 a select of two
-        # shifts + 5, ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub more; affine: 2 fma instead)
-        # (nf4: two ands and two table reads, the shifts w >> 4p and t >> 16)
-        simple = ((6 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0)) / 2
+        # shifts + 6 + the half2 fma and min (4), ints a select of w >> 8 + 4; fp32 dequant: 2 mul (uint4: 2 sub
+        # more; affine: 2 fma instead) (nf4: two ands and two table reads, the shifts w >> 4p and t >> 16)
+        simple = ((11 if fmt == "fp4" else 4) + 2 + (2 if fmt == "uint4" else 0)) / 2
         complex_ = (2 if fmt in ("fp4", "nf4") else 1) / 2
     else:
         # one word per thread and stage: constant-p decode, 8 mul (uint4: 8 sub more; affine: 8 fma instead); the 8

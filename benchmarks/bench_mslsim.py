@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from torch_marlin.testing import mslsim
+import mslsim
 
 KERNEL = os.path.join(os.path.dirname(__file__), "..", "tests", "mslsim", "kernels", "gemm.metal")
 DEVICE_LOOP = """#include <metal_stdlib>

@@ -111,7 +111,6 @@ MARLIN_CONSTEXPR int kGroupSizes[kNumGroupSizes] = {16, 32, 64, 128, 256, -1};
   X(kFcWritePartial, marlin_write_partial, 1, bool) /* K split: store fp32 partial tiles */       \
   X(kFcAligned, marlin_aligned, 2, bool)            /* N % 4 == 0, buffers 16-byte aligned */     \
   X(kFcGroupRows, marlin_group_rows, 3, uint)       /* packed rows per group, 0: one group */     \
-  X(kFcRows, marlin_rows, 4, uint)                  /* GEMV: rows of x (M), 1..kGemvMaxRows */  \
   X(kFcMoeWeighted, marlin_moe_weighted, 5, bool)   /* moe combine: weighted sum of top_k rows */
 
 #if !defined(__METAL_VERSION__)
@@ -137,6 +136,11 @@ MARLIN_CONSTEXPR int kGemvColumns = 32;
 MARLIN_CONSTEXPR int kGemvSimdgroups = 8;
 MARLIN_CONSTEXPR int kGemvMaxRows = 8;
 MARLIN_CONSTEXPR int kGemvLaneRows = 4;
+// The row counts the GEMVs (metal/gemv.metal, metal/sparse24_gemv.metal) are
+// instantiated for: a template parameter sizing their per-row register arrays.
+// M rows of x run the kernel of the smallest count >= M (gemv_kernel_rows).
+#define MARLIN_FOR_EACH_GEMV_ROWS(X, ...) X(1, __VA_ARGS__) X(4, __VA_ARGS__) X(8, __VA_ARGS__)
+inline constexpr int gemv_kernel_rows(int m) { return m <= 1 ? 1 : m <= 4 ? 4 : 8; }
 MARLIN_CONSTEXPR int kGemvBlockRows = 4 * kGemvLaneRows;
 
 // GEMMs (metal/marlin_gemm_fused.h, metal/marlin_gemm_tiled.h): kGemmThreads

@@ -6,8 +6,8 @@
 //
 // marlin_raw_pair<F>(w, p) decodes nibbles p and p + 4 of a word (p = 0..3)
 // into a half2 `raw`, exactly:
-//   fp4   raw = e2m1 value * 2^-14 (the e2m1 bits moved into half fields; the
-//         2^14 is folded into the group's fp32 scale)
+//   fp4   raw = 2 x e2m1 value, an integer (0, 1, 2, 3, 4, 6, 8, 12, signed);
+//         the 1/2 is folded into the group's fp32 scale
 //   int4  raw = q - 8
 //   uint4 raw = q (the zero point is applied per group, see MarlinParams)
 //   affine raw = q (the bias likewise)
@@ -40,15 +40,18 @@ MARLIN_FOR_EACH_FUNCTION_CONSTANT(MARLIN_FC_DECLARE)
 // group over all of K: a shift after specialization).
 inline uint marlin_group_of(uint r) { return marlin_group_rows == 0 ? 0u : r / marlin_group_rows; }
 
-// FP4 E2M1 nibbles p, p + 4 -> half bits [S 000 E1 E0 M 000000000] in each half:
-// the word is first moved so that nibble p sits at bits 8..11 (p + 4 at
-// 24..27); then t + t puts E1 E0 M at bits 9..11 and t << 4 the sign at bit 15
-// (shifts by 1..4 are plain integer adds on Apple GPUs). As a half this is
-// value * 2^-14 for every code, normal (exponent field E, bias 15 instead of 1)
-// and subnormal alike (0x1 -> 0x0200 = 2^-15 = 0.5 * 2^-14), and keeps -0.
+// FP4 E2M1 nibbles p, p + 4 -> 2 x value in each half, with no subnormal on the
+// way (a GPU or compiler may flush fp16 subnormals; the emulator's
+// flush-subnormals mode checks it). The word is first moved so that nibble p
+// sits at bits 8..11 (p + 4 at 24..27). E1 E0 M moved to bits 10..11, 9 of
+// 1.0h (0x3C00) give a = 2^E * (1 + M / 2): 2 x value for E > 0, and 1 or 1.5
+// for E = 0, whose 2 x value M = 2a - 2 is the smaller of the two there (for
+// E > 0, 2a - 2 >= a). The sign (bit 11, t << 4) is ORed in last, so -0 stays.
 inline half2 marlin_fp4_pair(uint w, uint p) {
   const uint t = p < 2 ? w << (8 - 4 * p) : w >> (4 * p - 8);
-  return as_type<half2>(((t + t) & 0x0E000E00u) | ((t << 4) & 0x80008000u));
+  const half2 a = as_type<half2>(0x3C003C00u + ((t & 0x07000700u) << 1));
+  const half2 twice = min(a, fma(a, half2(2.0h), half2(-2.0h)));
+  return as_type<half2>(as_type<uint>(twice) | ((t << 4) & 0x80008000u));
 }
 
 // 4-bit q -> half 1024 + q (q ORed into the mantissa of 0x6400 = 1024.0),
@@ -73,9 +76,8 @@ inline half2 marlin_int_pair(uint w, uint p, half offset) {
 template <WeightFormat F>
 struct MarlinFormat;
 
-// fp4 raw values are value * 2^-14: the group scale is multiplied by 2^14 (FP4
-// exponent bias 1 -> FP16 bias 15) in fp32, exactly.
-constant constexpr float kMarlinFp4ScaleFold = 16384.0f;
+// fp4 raw values are 2 x value: the group scale is halved in fp32, exactly.
+constant constexpr float kMarlinFp4ScaleFold = 0.5f;
 
 template <>
 struct MarlinFormat<kFp4> {

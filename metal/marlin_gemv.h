@@ -1,4 +1,4 @@
-// Decode GEMV: y[M, N] = x[M, K] @ B[K, N] (+ bias) for M = marlin_rows <= 8,
+// Decode GEMV: y[M, N] = x[M, K] @ B[K, N] (+ bias) for M <= MR <= 8,
 // designed to run at memory bandwidth (docs/KERNELS.md counts it).
 //
 // Work split. A threadgroup owns kGemvColumns = 32 output columns of one K
@@ -17,8 +17,11 @@
 // summed *raw* over the lane's run of rows in one group; the group's scale
 // (and zero point or bias: uint4 and affine sum q * x and x separately and
 // apply scale * (sum q x - zero * sum x), or scale * sum q x + bias * sum x:
-// marlin_group_dot) is applied once per run. All work is
-// bounded by M: the row loops run to marlin_rows, which the plan sets to M.
+// marlin_group_dot) is applied once per run. The row count MR (1, 4 or 8:
+// MARLIN_FOR_EACH_GEMV_ROWS) is a template parameter, so the per-row register
+// arrays (acc, raw, xsum) are indexed by constants once the MR-bounded loops
+// are unrolled; rows past M are skipped (a branch uniform over the grid), so
+// all work is bounded by M.
 //
 // Reduction. The 4 kl lanes of a column are summed with simd_shuffle_xor, the
 // simdgroups through threadgroup memory (sized for kGemvSimdgroups, filled
@@ -81,23 +84,23 @@ inline void marlin_gemv_x8(const device T* x, thread float4& lo, thread float4& 
 }
 
 // The kGemvColumns columns of block n_block over packed rows [r_begin, r_end)
-// for the marlin_rows rows of x; output (m, n) goes to out.store(m, n, v)
+// for the rows <= MR rows of x; output (m, n) goes to out.store(m, n, v)
 // (MarlinOutput, or the routed expert GEMV's fp32 row, metal/moe.metal).
-template <typename T, WeightFormat F, typename Out>
+template <typename T, WeightFormat F, uint MR, typename Out>
 inline void marlin_gemv_columns(const device T* x, const device uint* packed, const device half* scales,
-                                const device half* zeros, uint N, uint K, uint n_block, uint r_begin,
+                                const device half* zeros, uint rows, uint N, uint K, uint n_block, uint r_begin,
                                 uint r_end, thread const Out& out, threadgroup float* sums, uint tid, uint sg,
                                 uint nsg, uint lane) {
-  constexpr uint R = kGemvMaxRows, U = kGemvLaneRows;
-  const uint rows = marlin_rows;
+  static_assert(MR >= 1 && MR <= kGemvMaxRows, "MR: 1 .. kGemvMaxRows rows of x");
+  constexpr uint U = kGemvLaneRows;
   const uint cl = lane % 8, kl = lane / 8;
   const uint n0 = n_block * kGemvColumns + 4 * cl;
   // Rows after which the raw sums are scaled: the end of every run, or of every
   // group inside a run; never for one group over all of K (scaled at the end).
   const uint flush_every = marlin_group_rows == 0 ? 0u : min(marlin_group_rows, U);
 
-  float acc[R][4], raw[R][4], xsum[R];
-  for (uint m = 0; m < R; ++m) {
+  float acc[MR][4], raw[MR][4], xsum[MR];
+  for (uint m = 0; m < MR; ++m) {
     if (m < rows) {
       xsum[m] = 0.0f;
       for (uint c = 0; c < 4; ++c) acc[m][c] = raw[m][c] = 0.0f;
@@ -115,7 +118,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
       half2 q[4][4];  // [column][pair]
       for (uint c = 0; c < 4; ++c)
         for (uint p = 0; p < 4; ++p) q[c][p] = marlin_raw_pair<F>(w[u][c], p);
-      for (uint m = 0; m < R; ++m) {
+      for (uint m = 0; m < MR; ++m) {
         if (m >= rows) break;
         float4 lo, hi;
         marlin_gemv_x8<T>(x + ulong(m) * K + 8 * r, lo, hi);
@@ -132,7 +135,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
       if (flush_every != 0 && (u + 1) % flush_every == 0) {
         float4 s, z;
         marlin_gemv_params<F>(scales, zeros, marlin_group_of(r), n0, N, s, z);
-        for (uint m = 0; m < R; ++m) {
+        for (uint m = 0; m < MR; ++m) {
           if (m >= rows) break;
           for (uint c = 0; c < 4; ++c) {
             acc[m][c] = marlin_group_dot<F>(acc[m][c], raw[m][c], xsum[m], s[c], z[c]);
@@ -146,7 +149,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
   if (marlin_group_rows == 0) {  // one group: scale the whole sum once
     float4 s, z;
     marlin_gemv_params<F>(scales, zeros, 0, n0, N, s, z);
-    for (uint m = 0; m < R; ++m) {
+    for (uint m = 0; m < MR; ++m) {
       if (m >= rows) break;
       for (uint c = 0; c < 4; ++c)
         acc[m][c] = marlin_group_dot<F>(0.0f, raw[m][c], xsum[m], s[c], z[c]);
@@ -154,7 +157,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
   }
 
   // Sum the 4 kl lanes of each column, then the simdgroups.
-  for (uint m = 0; m < R; ++m) {
+  for (uint m = 0; m < MR; ++m) {
     if (m >= rows) break;
     for (uint c = 0; c < 4; ++c) {
       float v = acc[m][c];
@@ -173,7 +176,7 @@ inline void marlin_gemv_columns(const device T* x, const device uint* packed, co
   }
 }
 
-template <typename T, WeightFormat F>
+template <typename T, WeightFormat F, uint MR>
 [[kernel]] void marlin_gemv(MARLIN_GEMM_BUFFERS(T),
                             threadgroup float* sums [[threadgroup(0)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
@@ -183,6 +186,6 @@ template <typename T, WeightFormat F>
                             uint lane [[thread_index_in_simdgroup]]) {
   const uint r_begin = tgid.y * split_rows, r_end = min(K / 8, r_begin + split_rows);
   const MarlinOutput<T> out{y, partial, bias, M, N, tgid.y};
-  marlin_gemv_columns<T, F>(x, packed, scales, zeros, N, K, tgid.x, r_begin, r_end, out, sums, tid, sg, nsg,
-                            lane);
+  marlin_gemv_columns<T, F, MR>(x, packed, scales, zeros, M, N, K, tgid.x, r_begin, r_end, out, sums, tid, sg,
+                                nsg, lane);
 }

@@ -58,7 +58,7 @@ inline MarlinExpert marlin_expert(const device uint* packed, const device half* 
                       zeros + (has_zeros(F) ? ulong(e) * groups * N : 0)};
 }
 
-// The GEMV's output: fp32 row `row` [N] of one pair (marlin_rows = 1).
+// The GEMV's output: fp32 row `row` [N] of one pair (one row of x).
 struct MarlinPairRow {
   device float* row;
   uint N;
@@ -97,8 +97,8 @@ template <typename T, WeightFormat F>
   }
   const MarlinExpert w = marlin_expert<F>(packed, scales, zeros, uint(e), N, K);
   const uint r_begin = tgid.z * split_rows, r_end = min(K / 8, r_begin + split_rows);
-  marlin_gemv_columns<T, F>(x + ulong(p / x_row_div) * K, w.packed, w.scales, w.zeros, N, K, tgid.x, r_begin,
-                            r_end, out, sums, tid, sg, nsg, lane);
+  marlin_gemv_columns<T, F, 1>(x + ulong(p / x_row_div) * K, w.packed, w.scales, w.zeros, 1, N, K, tgid.x, r_begin,
+                               r_end, out, sums, tid, sg, nsg, lane);
 }
 
 // --- routing: pairs sorted by expert, tiles of one expert's rows ----------------------

@@ -1,4 +1,5 @@
 import contextlib
+import os
 import subprocess
 import sys
 import threading
@@ -6,6 +7,12 @@ import time
 
 import pytest
 import torch
+
+try:
+    import mslsim  # noqa: F401
+    import torch_marlin  # noqa: F401
+except ImportError:  # running from a source checkout without installing (make test installs both packages)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 @pytest.fixture(autouse=True)

@@ -111,7 +111,7 @@ def test_readme_group_sizes():
     assert _ints(line) == formats.GROUP_SIZES
 
 
-_PATH = re.compile(r"`((?:csrc|metal|torch_marlin|tests|docs|benchmarks|examples|scripts)/[^`\s]*)`")
+_PATH = re.compile(r"`((?:csrc|metal|mslsim|torch_marlin|tests|docs|benchmarks|examples|scripts)/[^`\s]*)`")
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

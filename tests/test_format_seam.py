@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torch_marlin.formats import WEIGHT_FORMATS
-from torch_marlin.testing import mslsim
+import mslsim
 
 ROOT = Path(__file__).resolve().parents[1]
 CXX = shutil.which("g++") or shutil.which("c++")

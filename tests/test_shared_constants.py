@@ -5,7 +5,7 @@ import torch
 
 import torch_marlin
 from torch_marlin import formats
-from torch_marlin.testing import mslsim
+import mslsim
 from torch_marlin.testing.metal import metal_dir
 
 

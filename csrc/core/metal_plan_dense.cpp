@@ -53,7 +53,7 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   Launch l;
   if (gemv) {
     l.source = "gemv";
-    l.kernel = "marlin_gemv_" + suffix;
+    l.kernel = "marlin_gemv_" + suffix + "_m" + std::to_string(gemv_kernel_rows(static_cast<int>(m)));
     l.threadgroup = {kSimdWidth * kGemvSimdgroups, 1, 1};
     // The GEMV splits its K slice over however many simdgroups it gets (down to one).
     l.min_threads_x = kSimdWidth;
@@ -76,7 +76,6 @@ Plan plan_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& 
   l.set(kFcWritePartial, splits > 1);
   l.set(kFcAligned, vector_loads(x, packed, scales, zeros, n));
   l.set(kFcGroupRows, group_rows_constant(group_size));
-  if (gemv) l.set(kFcRows, static_cast<uint32_t>(m));
   l.bindings = {arg(0, kGemmX),     arg(1, kGemmPacked), arg(2, kGemmScales), arg(3, kGemmZeros),
                 arg(4, kGemmBias),  output(5),           workspace(6),        scalar(7, m, "M"),
                 scalar(8, n, "N"),  scalar(9, k, "K"),   scalar(10, split_rows, "split rows")};

@@ -110,7 +110,6 @@ Plan plan_moe_gemm(const at::Tensor& x, const at::Tensor& expert_ids, const c10:
     l.threadgroup_memory = gemv_threadgroup_memory(1);
     l.set(kFcAligned, aligned);
     l.set(kFcGroupRows, group_rows);
-    l.set(kFcRows, 1u);
     l.bindings = {arg(0, kX),           arg(1, kIds),
                   arg(2, kPacked),      arg(3, kScales),
                   arg(4, kZeros),       workspace(5, kRows),

@@ -38,7 +38,7 @@ Plan plan_sparse24_gemm(const at::Tensor& x, const at::Tensor& values, const at:
   // Vector loads of x, values, metadata and params (N % 4 == 0, 16-byte aligned offsets).
   const bool aligned = vector_loads(x, values, scales, zeros, n) && aligned16(metadata);
   const bool gemv = m <= kGemvMaxRows;
-  const int64_t tm = gemv ? (m == 1 ? 1 : (m <= 4 ? 4 : 8)) : (m <= 32 ? 32 : 64);
+  const int64_t tm = gemv ? gemv_kernel_rows(static_cast<int>(m)) : (m <= 32 ? 32 : 64);
   const int64_t tiles = gemv ? ceil_div(n, kGemvColumns) : ceil_div(n, kGemmTileN) * ceil_div(m, tm);
   // K split as the dense kernels, in values rows: the GEMV in whole 8-row blocks (128 K, a simdgroup's
   // step), at least one per planned simdgroup; the GEMM in whole 32-deep stages (2 values rows, one

@@ -58,8 +58,8 @@ def toolchain_probe_command() -> list:
 def metal_compile_command(src: Path, air: Path) -> list:
     """One kernel file to AIR: the floor's deployment target (not the build
     machine's), MSL 3.1, and safe math (Metal defaults to fast math, which may
-    reassociate the uint4 `(raw - 1024) - zero` and flush the half subnormal
-    the fp4 decode makes of +-0.5)."""
+    reassociate the uint4 `(raw - 1024) - zero`; no decode makes a subnormal,
+    which fast math may flush)."""
     return ["xcrun", "-sdk", "macosx", "metal", f"-std={METAL_STD}", f"-mmacosx-version-min={MACOS_FLOOR}",
             "-fno-fast-math", "-I", str(METAL), "-c", str(src), "-o", str(air)]
 

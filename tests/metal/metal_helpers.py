@@ -1,8 +1,11 @@
 """Shared by tests/metal: inputs, tolerances, the emulator availability probe."""
 
 import functools
+import os
+from unittest import mock
 
 import torch
+from mslsim import FLUSH_SUBNORMALS_ENV, flush_subnormals_default  # conftest.py turns it on for tests/metal
 
 from torch_marlin.formats import ACTIVATION_DTYPES as DTYPES  # noqa: F401  (re-exported to the tests)
 from torch_marlin.formats import GROUP_SIZES  # noqa: F401
@@ -22,16 +25,25 @@ K_FOR_GROUP = {16: 208, 32: 96, 64: 192, 128: 384, 256: 512, -1: 200}
 @functools.lru_cache(maxsize=1)
 def emulator_unavailable_reason():
     try:
-        from torch_marlin.testing import mslsim
+        import mslsim
         from torch_marlin.testing.metal import library
 
-        lib = library("dequant")
+        with mock.patch.dict(os.environ, {FLUSH_SUBNORMALS_ENV: os.environ.get(FLUSH_SUBNORMALS_ENV, "1")}):
+            lib = library("dequant")  # in the mode of the tests, not to compile it twice
         if "marlin_dequant_fp4_f16" not in lib.kernels():
             return "metal/dequant.metal compiled without its kernels"
         del mslsim
         return None
     except Exception as e:  # noqa: BLE001 - any failure means: skip with the reason
         return f"{type(e).__name__}: {e}"
+
+
+def as_flushing_gpu(ref):
+    """ref as a GPU that flushes subnormals returns it (tests/metal runs the kernels so: conftest.py):
+    results below the dtype's smallest normal are signed zeros."""
+    if not flush_subnormals_default():
+        return ref
+    return torch.where(ref.abs() < torch.finfo(ref.dtype).tiny, ref * 0, ref)  # * 0 keeps the sign
 
 
 def make_weight(fmt, k, n, group_size, codes=None, gen=None):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.testing import mslsim
+import mslsim
 from torch_marlin.testing.metal import launch_threadgroup, metal_dir, metal_plan, run_metal
 
 from metal_helpers import GEMM_TOL, make_weight, rel_err

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.testing import mslsim
+import mslsim
 from torch_marlin.testing.metal import library, metal_dir, metal_plan, run_metal_with_stats
 
 from metal_helpers import has_zeros, DTYPES, FORMATS, GEMM_TOL, GROUP_SIZES, K_FOR_GROUP, SEEDS, make_weight, rel_err

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_marlin.ops  # noqa: F401
-from torch_marlin.testing import mslsim
+import mslsim
 from torch_marlin.testing.metal import metal_dir
 
 from metal_helpers import make_weight, rel_err

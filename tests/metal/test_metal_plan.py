@@ -31,13 +31,15 @@ def _x_tile_bytes(tm, itemsize):
 
 @pytest.mark.parametrize("m", range(1, 9))
 def test_gemv_for_decode(m):
-    # The exact row count is a function constant: work bounded by M.
+    # The row count sizing the kernel's register arrays is a template parameter (instantiated for 1, 4
+    # and 8 rows: the smallest >= M); rows past M are skipped (work bounded by M, the M buffer).
     p = _plan(m, 4096, 4096)
     (l,) = p["launches"]
-    assert l["kernel"] == "marlin_gemv_fp4_f16"
+    assert l["kernel"] == f"marlin_gemv_fp4_f16_m{1 if m == 1 else 4 if m <= 4 else 8}"
     assert l["grid"] == [4096 // 32, 1, 1] and l["threadgroup"] == [256, 1, 1]
     assert l["threadgroup_memory"] == 8 * m * 32 * 4
-    assert l["constants"] == {"0": False, "1": False, "2": True, "3": 128 // 8, "4": m}
+    assert l["constants"] == {"0": False, "1": False, "2": True, "3": 128 // 8}
+    assert [7, "scalar", m] in l["bindings"]  # M
 
 
 @pytest.mark.parametrize("group_size,rows", [(16, 2), (32, 4), (64, 8), (128, 16), (256, 32), (-1, 0)])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from torch_marlin.testing import mslsim
+import mslsim
 from torch_marlin.testing.metal import metal_dir
-from torch_marlin.testing.mslsim import _strict
+from mslsim import _strict
 
 HERE = Path(__file__).resolve().parent
 SOURCES = sorted(metal_dir().glob("*.metal")) + sorted((HERE / "kernels").glob("*.metal"))

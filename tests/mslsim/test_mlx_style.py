@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from torch_marlin.testing import mslsim
+import mslsim
 
 KDIR = os.path.join(os.path.dirname(__file__), "kernels")
 

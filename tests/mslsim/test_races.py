@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from torch_marlin.testing import mslsim
+import mslsim
 
 KDIR = os.path.join(os.path.dirname(__file__), "kernels")
 RACES = os.path.join(KDIR, "races.metal")

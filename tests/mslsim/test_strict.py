@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from torch_marlin.testing import mslsim
-from torch_marlin.testing.mslsim import _strict
+import mslsim
+from mslsim import _strict
 
 KDIR = os.path.join(os.path.dirname(__file__), "kernels")
 BROKEN = os.path.join(KDIR, "strict_broken.metal")
@@ -81,7 +81,7 @@ def test_program_scope_threadgroup_variable_is_an_error_not_a_crash():
     # It used to crash the process when the library was loaded (its storage was allocated outside any
     # threadgroup); the emulator cannot run it even with the strict check off. In a subprocess, so a
     # crash fails this test instead of ending the test session.
-    code = (f"from torch_marlin.testing import mslsim\n"
+    code = (f"import mslsim\n"
             f"for strict in (None, False):\n"
             f"    try:\n"
             f"        mslsim.compile({BROKEN!r}, defines={{'CASE_PROGRAM_SCOPE_THREADGROUP': 1}}, strict=strict)\n"

@@ -36,12 +36,21 @@ def metal_dir() -> Path:
     raise FileNotFoundError(f"Metal sources not found in {[str(c) for c in candidates]}")
 
 
+def emulator():
+    """The MSL emulator package mslsim: mslsim/ in the repository, not part of torch_marlin's wheel."""
+    try:
+        import mslsim
+    except ImportError as e:
+        raise ImportError("run_metal needs the MSL emulator package mslsim: pip install --no-build-isolation "
+                          "./mslsim from the torch_marlin repository (make test installs it)") from e
+    return mslsim
+
+
 def library(source: str):
     """The emulator library of metal/<source>.metal (compiled once per process, cached on disk)."""
-    from . import mslsim
-
+    mslsim = emulator()
     d = metal_dir()
-    key = (str(d), source)
+    key = (str(d), source, mslsim.flush_subnormals_default())
     with _lock:
         if key not in _libs:
             _libs[key] = mslsim.compile(str(d / f"{source}.metal"), include_dirs=(str(d),))

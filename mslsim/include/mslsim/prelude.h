@@ -85,7 +85,35 @@ template <class To, class From> inline To bitcast(const From& f) {
 }
 #endif
 
-MSLSIM_CONSTEXPR_CVT inline float h2f(uint16_t h) {
+// Flush-subnormals mode (compile(..., flush_subnormals=True), MSLSIM_FLUSH_SUBNORMALS): half and bfloat
+// subnormals become signed zeros when read (h2f, b2f) and when produced (f2h, f2b), as on a GPU that flushes
+// them; fp32 arithmetic runs with the FPU's flush-to-zero and denormals-are-zero modes
+// (flush_subnormals_in_this_thread).
+#if MSLSIM_FLUSH_SUBNORMALS
+constexpr uint16_t flush16(uint16_t bits, uint16_t exponent_mask) {
+  return (bits & exponent_mask) == 0 ? (uint16_t)(bits & 0x8000) : bits;
+}
+#else
+constexpr uint16_t flush16(uint16_t bits, uint16_t) { return bits; }
+#endif
+
+inline void flush_subnormals_in_this_thread() {  // called first in every GPU thread (each fiber has its own FP state)
+#if MSLSIM_FLUSH_SUBNORMALS && defined(__x86_64__)
+  uint32_t mx;
+  asm volatile("stmxcsr %0" : "=m"(mx));
+  mx |= 0x8040u;  // FTZ (bit 15) and DAZ (bit 6)
+  asm volatile("ldmxcsr %0" : : "m"(mx));
+#elif MSLSIM_FLUSH_SUBNORMALS && defined(__aarch64__)
+  uint64_t fpcr;
+  asm volatile("mrs %0, fpcr" : "=r"(fpcr));
+  fpcr |= 1ull << 24;  // FZ: subnormal inputs and results of fp32 / fp64 are zeros
+  asm volatile("msr fpcr, %0" : : "r"(fpcr));
+#elif MSLSIM_FLUSH_SUBNORMALS
+#error "mslsim: flush_subnormals needs x86-64 or aarch64"
+#endif
+}
+
+MSLSIM_CONSTEXPR_CVT inline float h2f_exact(uint16_t h) {
 #if defined(__FLT16_MAX__)
   return (float)bitcast<_Float16>(h);
 #else
@@ -104,7 +132,9 @@ MSLSIM_CONSTEXPR_CVT inline float h2f(uint16_t h) {
 #endif
 }
 
-MSLSIM_CONSTEXPR_CVT inline uint16_t f2h(float f) {
+MSLSIM_CONSTEXPR_CVT inline float h2f(uint16_t h) { return h2f_exact(flush16(h, 0x7c00)); }
+
+MSLSIM_CONSTEXPR_CVT inline uint16_t f2h_exact(float f) {
 #if defined(__FLT16_MAX__)
   return bitcast<uint16_t>((_Float16)f);
 #else
@@ -123,12 +153,14 @@ MSLSIM_CONSTEXPR_CVT inline uint16_t f2h(float f) {
 #endif
 }
 
-MSLSIM_CONSTEXPR_CVT inline float b2f(uint16_t b) { return bitcast<float>((uint32_t)b << 16); }
+MSLSIM_CONSTEXPR_CVT inline uint16_t f2h(float f) { return flush16(f2h_exact(f), 0x7c00); }
+
+MSLSIM_CONSTEXPR_CVT inline float b2f(uint16_t b) { return bitcast<float>((uint32_t)flush16(b, 0x7f80) << 16); }
 MSLSIM_CONSTEXPR_CVT inline uint16_t f2b(float f) {
   uint32_t x = bitcast<uint32_t>(f);
   if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40);
   x += 0x7fffu + ((x >> 16) & 1);
-  return (uint16_t)(x >> 16);
+  return flush16((uint16_t)(x >> 16), 0x7f80);
 }
 
 struct half;

@@ -544,6 +544,7 @@ def generate(parsed: Parsed, prelude: str, keywords: str) -> str:
         n = len(k.params)
         g.append(f"""
 extern "C" MSLSIM_EXPORT void mslsim_thunk_{i}(::mslsim::ThreadCtx* mslsim_c) {{
+  ::mslsim::flush_subnormals_in_this_thread();
   using mslsim_F = decltype({k.expr});
   static_assert(::mslsim::fn_traits<mslsim_F>::arity == {n}, "mslsim: parameter count mismatch for kernel {k.name}");
   static const int mslsim_k[] = {{{kinds}}}, mslsim_x[] = {{{idx}}};

@@ -1,5 +1,5 @@
 // mslsim strict pass: the MSL surface as *declarations* for `clang -fsyntax-only`
-// (torch_marlin/testing/mslsim/_strict.py).  Unlike the emulator's prelude,
+// (mslsim/_strict.py).  Unlike the emulator's prelude,
 // the address spaces are real clang address spaces, so clang rejects what the
 // Metal compiler rejects: a device / threadgroup / constant pointer or
 // reference where another one, or `thread` (the default), is expected.

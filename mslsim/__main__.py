@@ -1,4 +1,4 @@
-"""python -m torch_marlin.testing.mslsim FILE.metal [-I DIR] [-D NAME[=VALUE]] [--no-strict]: compile (with the
+"""python -m mslsim FILE.metal [-I DIR] [-D NAME[=VALUE]] [--no-strict]: compile (with the
 strict check of what Apple's Metal compiler rejects, unless --no-strict) and list the kernels."""
 import argparse
 import sys
@@ -7,7 +7,7 @@ from . import MSLSimError, compile as _compile
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m torch_marlin.testing.mslsim", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m mslsim", description=__doc__)
     ap.add_argument("source")
     ap.add_argument("-I", dest="include", action="append", default=[])
     ap.add_argument("-D", dest="define", action="append", default=[])

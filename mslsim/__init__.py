@@ -5,7 +5,7 @@ compiled as C++17 against a shim ``metal_stdlib``; every GPU thread of a
 threadgroup runs as a fiber with Apple-GPU execution semantics (32-wide
 simdgroups, rendezvous at barriers and simd collectives, shuffled schedule).
 
-    from torch_marlin.testing import mslsim
+    import mslsim
     lib = mslsim.compile("metal/foo.metal")
     lib.launch("foo", grid=(4, 1, 1), threadgroup=(128, 1, 1), args={0: x, 1: y, 2: 128})
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from . import _frontend, _strict
 
 __all__ = ["compile", "Library", "LaunchStats", "MSLSimError", "MSLSimWarning", "MAX_THREADGROUP_MEMORY",
-           "MAX_THREADS_PER_THREADGROUP", "cache_dir"]
+           "MAX_THREADS_PER_THREADGROUP", "cache_dir", "flush_subnormals_default"]
 
 MAX_THREADGROUP_MEMORY = 32768
 MAX_THREADS_PER_THREADGROUP = 1024
@@ -249,9 +249,10 @@ def _default_workers():
 class Library:
     """A compiled MSL library. Use :meth:`kernels` and :meth:`launch`."""
 
-    def __init__(self, so_path, parsed, source_name):
+    def __init__(self, so_path, parsed, source_name, flush_subnormals=False):
         self.path = so_path
         self.source_name = source_name
+        self.flush_subnormals = flush_subnormals  # compiled to flush subnormals (compile's argument)
         self._parsed = parsed
         self._dll = ctypes.CDLL(so_path)
         self._lock = threading.Lock()
@@ -487,13 +488,33 @@ def _looks_like_path(source) -> bool:
     return isinstance(source, str) and "\n" not in source and len(source) < 4096 and os.path.isfile(source)
 
 
-def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # noqa: A001 - API name
+FLUSH_SUBNORMALS_ENV = "TORCH_MARLIN_MSLSIM_FLUSH_SUBNORMALS"
+
+
+def flush_subnormals_default() -> bool:
+    """compile's flush_subnormals when not given: $TORCH_MARLIN_MSLSIM_FLUSH_SUBNORMALS (1 / 0), off if unset."""
+    value = os.environ.get(FLUSH_SUBNORMALS_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise MSLSimError(f"${FLUSH_SUBNORMALS_ENV} must be 1 or 0, got {value!r}")
+
+
+def compile(source, include_dirs=(), defines=None, strict=None,  # noqa: A001 - API name
+            flush_subnormals=None) -> Library:
     """Compile MSL (a path or source text) for the CPU emulator; cached on disk.
 
     strict: check the source against what Apple's Metal compiler rejects (docs/MSLSIM.md): True requires
     the check, False skips it, None (default) runs it, and without a suitable clang warns and runs only the
     checks that need no clang (an error under CI, i.e. with $CI set).
+    flush_subnormals: run as a GPU that flushes subnormals: fp16, bfloat and fp32 subnormal inputs and
+    results of arithmetic become signed zeros. None (default): flush_subnormals_default().
     """
+    if flush_subnormals is None:
+        flush_subnormals = flush_subnormals_default()
+    elif not isinstance(flush_subnormals, bool):
+        raise MSLSimError(f"flush_subnormals must be True, False or None, got {flush_subnormals!r}")
     cxx = _cxx()
     if _looks_like_path(source):
         path = os.path.abspath(os.fspath(source))
@@ -526,7 +547,7 @@ def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # n
     if r.returncode != 0:
         raise MSLSimError(f"preprocessing {name} failed:\n{r.stderr[-6000:]}")
     pp = r.stdout.replace('"<stdin>"', '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"')
-    flags = _kernel_flags(cxx)
+    flags = _kernel_flags(cxx) + (["-DMSLSIM_FLUSH_SUBNORMALS=1"] if flush_subnormals else [])
     h = hashlib.sha256()
     h.update(pp.encode())
     for p in sorted(os.listdir(os.path.join(_INCLUDE, "mslsim"))):
@@ -581,7 +602,7 @@ def compile(source, include_dirs=(), defines=None, strict=None) -> Library:  # n
     with _lib_cache_lock:
         lib = _lib_cache.get(key)
         if lib is None:
-            lib = _lib_cache[key] = Library(so, parsed, name)
+            lib = _lib_cache[key] = Library(so, parsed, name, flush_subnormals)
     if check:  # the types of built-in parameters, from the compiled library
         errors = _strict.builtin_type_errors((k, infos) for k, _, infos in lib._kernels.values())
         if errors:
