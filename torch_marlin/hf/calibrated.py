@@ -186,8 +186,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
     start = time.time()
     coded = bits is not None or entropy_code  # the entropy-coded layout (docs/ENTROPY.md)
     if calibrated_method(method) is None and not (coded and method == "rtn"):
-        raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda' (or 'rtn' with bits / entropy_code), "
-                         f"got {method!r}")
+        also = " or 'rtn'" if coded else ""  # round to nearest: only the entropy-coded layout loads the model
+        raise ValueError(f"method must be 'gptq', 'sparsegpt' or 'wanda'{also}, got {method!r}")
     if method != "rtn":
         split_method(method, sparsity)  # validates the pair: gptq dense, sparsegpt / wanda with 2:4
     if act_order and method != "gptq":
