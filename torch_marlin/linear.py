@@ -12,6 +12,7 @@ from .float_linear import is_conv1d, linear_weight
 from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes
 from .quantize import calibrated_method
+from .rans_quantize import grid_weight
 from .sparsity import split_method
 
 
@@ -170,9 +171,14 @@ class MarlinLinear(QuantizedModule):
         if bits is not None:
             if sparsity is not None:
                 raise ValueError(f"bits= does not combine with sparsity={sparsity!r}")
-            from .rans_quantize import grid_linear
-
-            return grid_linear(linear, bits, "rtn" if method == "mse" else method, hessian, **options)
+            _check_linear(linear)
+            if linear.weight.device.type == "meta":
+                raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
+            weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
+            coded = grid_weight(weight, bits, "rtn" if method == "mse" else method, hessian, **options)
+            module = cls.from_quantized(coded, None if linear.bias is None else linear.bias.detach().cpu())
+            module.quantization_error = coded.relative_error
+            return module.to(linear.weight.device)
         layout = _choose_layout(None, sparsity)
         pruning, quantizer = split_method(method, sparsity)
         calibrated = calibrated_method(pruning or method)

@@ -16,7 +16,10 @@ from .float_linear import is_float_linear
 from .linear import MarlinLinear
 from .moe import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .moe_gptq import ExpertError, calibrate_experts, check_experts_options, describe_expert_errors
+from .layouts.rans import GRID
 from .quantize import calibrated_method
+from .rans_model import entropy_code_modules, module_bytes, quantize_model_bits
+from .rans_quantize import check_bits
 from .sparsity import split_method
 
 Patterns = Union[str, Iterable[str], None]
@@ -160,9 +163,7 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     if bits is not None or entropy_code:
         if fuse_projections:
             raise ValueError("fuse_projections=True works on the dense layout only, not with bits= / entropy_code=True")
-        from .rans_quantize import quantize_model_entropy_coded
-
-        return quantize_model_entropy_coded(model, weight_format, group_size, include, exclude, method,
+        return _quantize_model_entropy_coded(model, weight_format, group_size, include, exclude, method,
                                             calibration, sparsity, bits, entropy_code, **options)
     # Checked here, not per layer, so the error does not carry the first layer's name.
     formats.check_weight_format(weight_format)
@@ -285,3 +286,48 @@ def _quantize_experts_rtn(name: str, source: nn.Module, weight_format: str, grou
         raise ValueError(f"{name}: {e}") from e
     _record_experts(report, name, source, quantized)
     return quantized
+
+
+def _quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_size: int, include, exclude,
+                                 method: str, calibration, sparsity, bits: Optional[float], entropy_code: bool,
+                                 **options):
+    """quantize_model with bits= (the grid) or entropy_code=True (lossless); see quantize_model."""
+    if bits is not None and entropy_code:
+        raise ValueError("bits= (rate-controlled grid) and entropy_code=True (lossless) exclude each other")
+    if not isinstance(entropy_code, bool):
+        raise TypeError(f"entropy_code must be a bool, got {entropy_code!r}")
+    if sparsity is not None:
+        raise ValueError(f"sparsity={sparsity!r} does not combine with bits= / entropy_code=True")
+    include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
+    supported, _ = find_experts_modules(model)
+    selected = [name for name in supported
+                if (include_p is None or matches_any(name, include_p)) and not matches_any(name, exclude_p)]
+    if selected:
+        raise ValueError(f"expert stacks are not entropy-coded (bits= / entropy_code=True): exclude the experts "
+                         f"modules {selected} (exclude=[...]) or quantize them without bits=/entropy_code")
+    coding = {k: options.pop(k) for k in ("chunk_k", "prob_bits") if k in options}
+    if entropy_code:
+        report = quantize_model(model, weight_format, group_size, include, exclude, method, calibration, **options)
+        entropy_code_modules(model, report.replaced, **coding)
+        report.method_name += ", entropy-coded"
+        report.bytes_after = 0
+        for name in report.replaced:
+            module = model.get_submodule(name)
+            report.bits_per_layer[name] = 8 * module.quantized_weight().nbytes / module.quantized_weight().num_weights
+        report.bytes_after = sum(module_bytes(model.get_submodule(name)) for name in report.replaced)
+        return report
+    bits = check_bits(bits)
+    if (weight_format, group_size) not in (("fp4", 128), (GRID, -1)):
+        raise ValueError(f"bits= selects the grid (weight_format='grid', group_size=-1); got weight_format="
+                         f"{weight_format!r}, group_size={group_size} (for lossless coding of a 4-bit format use "
+                         f"entropy_code=True)")
+    report = QuantizationReport(method_name="entropy-coded grid (round to nearest)")
+    report.experts_skipped = [name for name in supported if name not in selected]  # left in float
+    targets = select_linear_layers(model, include_p, exclude_p, report)
+    if not targets:
+        raise ValueError("bits=: no linear layer selected (check include/exclude)")
+    layers = {name: model.get_submodule(name) for name in targets}
+    quantize_model_bits(model, layers, report, bits, "rtn" if method == "mse" else method, calibration,
+                        **coding, **options)
+    _warn_unmatched(report, include_p or [], exclude_p)
+    return report

@@ -263,43 +263,6 @@ def gptq_grid(weight: torch.Tensor, hessian: torch.Tensor, steps: torch.Tensor, 
     return q
 
 
-# --- models -----------------------------------------------------------------------------------
-
-def entropy_code_modules(model: nn.Module, names: List[str], chunk_k: Optional[int] = None,
-                         prob_bits: int = rans.DEFAULT_PROB_BITS) -> None:
-    """Lossless: replace the dense MarlinLinear modules `names` by entropy-coded ones."""
-    from .linear import MarlinLinear
-
-    for name in names:
-        module = model.get_submodule(name)
-        qweight = module.quantized_weight()
-        coded = RansQuantizedWeight.from_dense(qweight, chunk_k, prob_bits)
-        replacement = _module_like(module, coded)
-        if not isinstance(replacement, MarlinLinear):
-            raise TypeError(f"{name}: cannot entropy-code a {type(module).__name__}")
-        model.set_submodule(name, replacement)
-
-
-def _module_like(module, coded: RansQuantizedWeight):
-    """A MarlinLinear (or PermutedInputMarlinLinear, with the same input_perm) holding `coded`."""
-    from .linear import MarlinLinear, PermutedInputMarlinLinear
-
-    bias = module.bias
-    new = MarlinLinear.from_quantized(coded.to(bias.device if bias is not None else "cpu"), bias)
-    if isinstance(module, PermutedInputMarlinLinear):
-        permuted = PermutedInputMarlinLinear(new.in_features, new.out_features, bias is not None,
-                                             new.weight_format, new.group_size,
-                                             dtype=None if bias is None else bias.dtype,
-                                             layout=RansQuantizedWeight, **coded.shape_options())
-        permuted.load_state_dict(new.state_dict(), strict=False)
-        permuted.input_perm.copy_(module.input_perm)
-        new = permuted
-    new.quantization_error = getattr(module, "quantization_error", coded.relative_error)
-    return new
-
-
-# --- rate-controlled quantization of modules ----------------------------------------------------
-
 @dataclass
 class _Plan:
     """The round-to-nearest allocation: per layer the step and table at the common lambda."""
@@ -375,136 +338,17 @@ def _rtn(p: _Plan, name: str):
     return quantize
 
 
-def grid_linear(linear: nn.Module, bits: float, method: str = "rtn", hessian: Optional[torch.Tensor] = None,
+def grid_weight(weight: torch.Tensor, bits: float, method: str = "rtn", hessian: Optional[torch.Tensor] = None,
                 act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-                prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None):
-    """MarlinLinear.from_linear(linear, bits=...): one layer on the grid at `bits` per weight
-    (every byte of the coded weight counted), round to nearest or GPTQ (`hessian`)."""
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-
-    if not (isinstance(linear, nn.Linear) or is_conv1d(linear)):
-        raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
-    if linear.weight.device.type == "meta":
-        raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
+                prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None) -> RansQuantizedWeight:
+    """One float weight [N, K] on the grid at `bits` per weight (every byte of the coded
+    weight counted), round to nearest or GPTQ (`hessian`): MarlinLinear.from_linear(bits=...)."""
     if method not in ("rtn", "mse", "gptq"):
         raise ValueError(f"method must be 'rtn' (round to nearest) or 'gptq' with bits=, got {method!r}")
     if (method == "gptq") != (hessian is not None):
         raise ValueError("method='gptq' and hessian=H (mean(x x^T) of the layer's inputs) go together")
-    weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
     p = plan({"layer": weight}, bits, prob_bits, chunk_k)
     if hessian is None:
-        coded = fit_layer(p, "layer", _rtn(p, "layer"))
-    else:
-        coded = fit_layer(p, "layer", lambda steps, lam, table: gptq_grid(
-            weight, hessian, steps, lam, table, act_order, damp, block_size))
-    bias = None if linear.bias is None else linear.bias.detach().cpu()
-    module = MarlinLinear.from_quantized(coded, bias)
-    module.quantization_error = coded.relative_error
-    return module.to(linear.weight.device)
-
-
-def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report, bits: float, method: str,
-                        calibration=None, act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-                        prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
-                        rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER, weighting: str = WEIGHTING) -> None:
-    """quantize_model(model, bits=...): the grid at an average of `bits` per weight over `targets`."""
-    from .gptq import output_error
-    from .linear import MarlinLinear, is_conv1d, linear_weight
-
-    if method not in ("mse", "rtn", "gptq"):
-        raise ValueError(f"method must be 'rtn' (round to nearest, the default) or 'gptq' with bits=, got {method!r}")
-    if method != "gptq" and calibration is not None:
-        raise ValueError("calibration is only used by method='gptq'")
-    weights = {name: linear_weight(m.weight.detach(), is_conv1d(m)) for name, m in targets.items()}
-    p = plan(weights, bits, prob_bits, chunk_k, rate_aware, row_power, weighting)
-
-    def replace(name, linear, coded):
-        bias = None if linear.bias is None else linear.bias.detach().cpu()
-        module = MarlinLinear.from_quantized(coded, bias).to(linear.weight.device)
-        module.quantization_error = coded.relative_error
-        report.record(name, linear, module)
-        report.bits_per_layer[name] = 8 * coded.nbytes / coded.num_weights
-        return module
-
-    if method != "gptq":
-        for name, linear in targets.items():
-            model.set_submodule(name, replace(name, linear, fit_layer(p, name, _rtn(p, name))))
-        return
-
-    import time
-
-    from .calibration import quantize_sequentially
-
-    start = time.perf_counter()
-
-    def quantize_layer(name, linear, hessian):
-        coded = fit_layer(p, name, lambda steps, lam, table: gptq_grid(
-            weights[name], hessian, steps, lam, table, act_order, damp, block_size))
-        rtn = quantize_grid(weights[name], p.layers[name].choice[p.lam], p.lam / p.layers[name].importance,
-                            prob_bits, rate_aware, row_power)
-        rtn_weight = rtn.codes.float() * rtn.steps.float().unsqueeze(1)
-        report.output_errors[name] = (output_error(weights[name], rtn_weight, hessian.float()),
-                                      output_error(weights[name], coded.dequantize(), hessian.float()))
-        return replace(name, linear, coded)
-
-    def quantize_unreached(name, linear):
-        return replace(name, linear, fit_layer(p, name, _rtn(p, name)))
-
-    report.method_name = "GPTQ on the grid"
-    stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)
-    report.unreached = list(stats.unreached)
-    report.calibration_batches = stats.batches
-    report.seconds = time.perf_counter() - start
-
-
-def quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_size: int, include, exclude,
-                                 method: str, calibration, sparsity, bits: Optional[float], entropy_code: bool,
-                                 **options):
-    """quantize_model with bits= (the grid) or entropy_code=True (lossless); see quantize_model."""
-    from .moe import find_experts_modules
-    from .model import QuantizationReport, _patterns, _warn_unmatched, matches_any, quantize_model, \
-        select_linear_layers
-
-    if bits is not None and entropy_code:
-        raise ValueError("bits= (rate-controlled grid) and entropy_code=True (lossless) exclude each other")
-    if not isinstance(entropy_code, bool):
-        raise TypeError(f"entropy_code must be a bool, got {entropy_code!r}")
-    if sparsity is not None:
-        raise ValueError(f"sparsity={sparsity!r} does not combine with bits= / entropy_code=True")
-    include_p, exclude_p = _patterns(include, "include"), _patterns(exclude, "exclude") or []
-    supported, _ = find_experts_modules(model)
-    selected = [name for name in supported
-                if (include_p is None or matches_any(name, include_p)) and not matches_any(name, exclude_p)]
-    if selected:
-        raise ValueError(f"expert stacks are not entropy-coded (bits= / entropy_code=True): exclude the experts "
-                         f"modules {selected} (exclude=[...]) or quantize them without bits=/entropy_code")
-    coding = {k: options.pop(k) for k in ("chunk_k", "prob_bits") if k in options}
-    if entropy_code:
-        report = quantize_model(model, weight_format, group_size, include, exclude, method, calibration, **options)
-        entropy_code_modules(model, report.replaced, **coding)
-        report.method_name += ", entropy-coded"
-        report.bytes_after = 0
-        for name in report.replaced:
-            module = model.get_submodule(name)
-            report.bits_per_layer[name] = 8 * module.quantized_weight().nbytes / module.quantized_weight().num_weights
-        report.bytes_after = sum(_module_bytes(model.get_submodule(name)) for name in report.replaced)
-        return report
-    bits = check_bits(bits)
-    if (weight_format, group_size) not in (("fp4", 128), (GRID, -1)):
-        raise ValueError(f"bits= selects the grid (weight_format='grid', group_size=-1); got weight_format="
-                         f"{weight_format!r}, group_size={group_size} (for lossless coding of a 4-bit format use "
-                         f"entropy_code=True)")
-    report = QuantizationReport(method_name="entropy-coded grid (round to nearest)")
-    report.experts_skipped = [name for name in supported if name not in selected]  # left in float
-    targets = select_linear_layers(model, include_p, exclude_p, report)
-    if not targets:
-        raise ValueError("bits=: no linear layer selected (check include/exclude)")
-    layers = {name: model.get_submodule(name) for name in targets}
-    quantize_model_bits(model, layers, report, bits, "rtn" if method == "mse" else method, calibration,
-                        **coding, **options)
-    _warn_unmatched(report, include_p or [], exclude_p)
-    return report
-
-
-def _module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.buffers(recurse=False) if t is not None)
+        return fit_layer(p, "layer", _rtn(p, "layer"))
+    return fit_layer(p, "layer", lambda steps, lam, table: gptq_grid(
+        weight, hessian, steps, lam, table, act_order, damp, block_size))
