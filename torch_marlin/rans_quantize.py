@@ -331,6 +331,10 @@ def plan(weights: Dict[str, torch.Tensor], bits: float, prob_bits: int = rans.DE
     prob_bits = rans.check_prob_bits(prob_bits)
     if weighting not in WEIGHTINGS:
         raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if not isinstance(rate_aware, bool):
+        raise TypeError(f"rate_aware must be a bool, got {rate_aware!r}")
+    if isinstance(row_power, bool) or not isinstance(row_power, (int, float)) or not 0 <= row_power <= 4:
+        raise ValueError(f"row_power must be a number in [0, 4], got {row_power!r}")
     layers = {name: _layer(name, w, chunk_k, weighting) for name, w in weights.items()}
     budget = bits * sum(layer.num_weights for layer in layers.values())
     lam = allocate(list(layers.values()), budget, prob_bits, rate_aware, row_power)

@@ -50,6 +50,12 @@ def num_groups(k: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-k // group_size)
 
 
+def stored_rows(in_features: int, group_size: int) -> int:
+    """K of the stream: in_features, rounded up to whole groups (as the dense layout pads; the
+    ops take whole groups) for lossless formats with groups."""
+    return in_features if group_size == -1 else num_groups(in_features, group_size) * group_size
+
+
 def dense_from_symbols(symbols: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                        weight_format: str, group_size: int, dtype=torch.float64) -> torch.Tensor:
     """B [K, N] from decoded symbols [K, N] and scales (zeros), computed in `dtype`."""
@@ -83,7 +89,7 @@ class RansQuantizedWeight(QuantizedLayout):
     zeros: Optional[torch.Tensor]  # fp16 [G, N] for uint4 / affine
     weight_format: str
     group_size: int
-    in_features: int  # K (never padded)
+    in_features: int  # K the caller sees; the stream has stored_rows(in_features, group_size) rows
     out_features: int  # N
     chunk_k: int = rans.DEFAULT_CHUNK_K
     prob_bits: int = rans.DEFAULT_PROB_BITS
@@ -98,17 +104,23 @@ class RansQuantizedWeight(QuantizedLayout):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
                    weight_format: str, group_size: int, chunk_k: Optional[int] = None,
-                   prob_bits: int = rans.DEFAULT_PROB_BITS) -> "RansQuantizedWeight":
-        """Code symbols [K, N] (4-bit codes, or grid symbols q + 128) with their scales (zeros)."""
+                   prob_bits: int = rans.DEFAULT_PROB_BITS, in_features: Optional[int] = None
+                   ) -> "RansQuantizedWeight":
+        """Code symbols [K, N] (4-bit codes, or grid symbols q + 128) with their scales (zeros);
+        K = stored_rows(in_features, group_size) (in_features defaults to K)."""
         check_weight_format(weight_format, group_size)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             raise ValueError(f"codes must be a 2-D tensor [K, N], got {formats._describe(codes)}")
         k, n = codes.shape
+        in_features = k if in_features is None else int(in_features)
+        if stored_rows(in_features, group_size) != k:
+            raise ValueError(f"codes must have {stored_rows(in_features, group_size)} rows (in_features="
+                             f"{in_features} in whole groups of {group_size}), got {k}")
         chunk_k = default_chunk_k(k, group_size) if chunk_k is None else chunk_k
         stream = rans.encode_codes(codes, weight_format, chunk_k, prob_bits, group_size)
         device = scales.device if isinstance(scales, torch.Tensor) else codes.device
-        q = cls(*(t.to(device) for t in stream.tensors().values()), scales, zeros, weight_format, group_size, k, n,
-                chunk_k, prob_bits)
+        q = cls(*(t.to(device) for t in stream.tensors().values()), scales, zeros, weight_format, group_size,
+                in_features, n, chunk_k, prob_bits)
         q.check_shapes()
         return q
 
@@ -121,9 +133,10 @@ class RansQuantizedWeight(QuantizedLayout):
 
         if not isinstance(qweight, QuantizedWeight):
             raise TypeError(f"qweight must be a dense QuantizedWeight, got {type(qweight).__name__}")
-        codes = formats.unpack_codes(qweight.packed.cpu())[: qweight.in_features]
+        rows = stored_rows(qweight.in_features, qweight.group_size)
+        codes = formats.unpack_codes(qweight.packed.cpu())[:rows]
         q = cls.from_codes(codes, qweight.scales, qweight.zeros, qweight.weight_format, qweight.group_size,
-                           chunk_k, prob_bits)
+                           chunk_k, prob_bits, qweight.in_features)
         q.relative_error = qweight.relative_error
         return q
 
@@ -131,10 +144,11 @@ class RansQuantizedWeight(QuantizedLayout):
     def empty(cls, in_features, out_features, weight_format, group_size, device=None, chunk_k=None,
               prob_bits=rans.DEFAULT_PROB_BITS, num_words=0) -> "RansQuantizedWeight":
         check_weight_format(weight_format, group_size)
-        chunk_k = default_chunk_k(in_features, group_size) if chunk_k is None else rans.check_chunk_k(chunk_k)
+        k = stored_rows(in_features, group_size)
+        chunk_k = default_chunk_k(k, group_size) if chunk_k is None else rans.check_chunk_k(chunk_k)
         prob_bits = rans.check_prob_bits(prob_bits)
-        n_chunks = rans.num_blocks(out_features) * rans.num_kchunks(in_features, chunk_k)
-        groups = num_groups(in_features, group_size)
+        n_chunks = rans.num_blocks(out_features) * rans.num_kchunks(k, chunk_k)
+        groups = num_groups(k, group_size)
         scales = torch.zeros(groups, out_features, dtype=torch.float16, device=device)
         zeros = torch.zeros_like(scales) if weight_format != GRID and formats.has_zeros(weight_format) else None
         freqs = torch.zeros(rans.alphabet_size(weight_format), dtype=torch.int16, device=device)
@@ -157,6 +171,10 @@ class RansQuantizedWeight(QuantizedLayout):
     def options(self) -> dict:
         return {"chunk_k": self.chunk_k, "prob_bits": self.prob_bits}
 
+    @property
+    def stored_k(self) -> int:
+        return stored_rows(self.in_features, self.group_size)
+
     def shape_options(self) -> dict:
         return {**self.options(), "num_words": self.words.shape[0]}
 
@@ -164,7 +182,7 @@ class RansQuantizedWeight(QuantizedLayout):
 
     def check_shapes(self) -> None:
         """Shapes and dtypes (no content): the fake kernels' checks."""
-        check_scales(self.scales, self.zeros, self.weight_format, self.group_size, self.in_features,
+        check_scales(self.scales, self.zeros, self.weight_format, self.group_size, self.stored_k,
                      self.out_features)
         if self.freqs.shape != (rans.alphabet_size(self.weight_format),):
             raise ValueError(f"freqs must have shape [{rans.alphabet_size(self.weight_format)}] for "
@@ -172,24 +190,26 @@ class RansQuantizedWeight(QuantizedLayout):
 
     def check_contents(self) -> None:
         self.check_shapes()
-        rans.check_chunk_compatible(self.chunk_k, self.group_size, self.in_features, self.weight_format)
-        rans.check_stream(self.words, self.word_offsets, self.states, self.freqs, self.in_features,
+        rans.check_chunk_compatible(self.chunk_k, self.group_size, self.stored_k, self.weight_format)
+        rans.check_stream(self.words, self.word_offsets, self.states, self.freqs, self.stored_k,
                           self.out_features, self.chunk_k, self.prob_bits, rans.alphabet_size(self.weight_format))
 
     # --- decoding -------------------------------------------------------------------
 
     def symbols(self) -> torch.Tensor:
-        """uint8 symbols [K, N] (the op when built, else the reference decoder)."""
+        """uint8 symbols [in_features, N] (the op when built, else the reference decoder)."""
         if has_ops():
-            return torch.ops.marlin.rans_decode(self.words, self.word_offsets, self.states, self.freqs,
-                                                self.in_features, self.out_features, self.chunk_k, self.prob_bits)
-        return rans.decode(self.words, self.word_offsets, self.states, self.freqs, self.in_features,
-                           self.out_features, self.chunk_k, self.prob_bits).to(self.words.device)
+            sym = torch.ops.marlin.rans_decode(self.words, self.word_offsets, self.states, self.freqs,
+                                               self.stored_k, self.out_features, self.chunk_k, self.prob_bits)
+        else:
+            sym = rans.decode(self.words, self.word_offsets, self.states, self.freqs, self.stored_k,
+                              self.out_features, self.chunk_k, self.prob_bits).to(self.words.device)
+        return sym[: self.in_features]
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         """W [N, K] from the reference decoder, float64 inside."""
-        sym = rans.decode(self.words, self.word_offsets, self.states, self.freqs, self.in_features,
-                          self.out_features, self.chunk_k, self.prob_bits)
+        sym = rans.decode(self.words, self.word_offsets, self.states, self.freqs, self.stored_k,
+                          self.out_features, self.chunk_k, self.prob_bits)[: self.in_features]
         b = dense_from_symbols(sym, self.scales.cpu(), None if self.zeros is None else self.zeros.cpu(),
                                self.weight_format, self.group_size)
         return b.t().to(device=self.scales.device, dtype=dtype)
@@ -201,8 +221,11 @@ class RansQuantizedWeight(QuantizedLayout):
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if has_ops():
+            pad = self.stored_k - self.in_features
+            if pad:
+                x = torch.nn.functional.pad(x, (0, pad))
             return torch.ops.marlin.rans_gemm(x, self.words, self.word_offsets, self.states, self.freqs,
-                                              self.scales, self.zeros, bias, self.weight_format, self.in_features,
+                                              self.scales, self.zeros, bias, self.weight_format, self.stored_k,
                                               self.chunk_k, self.prob_bits, self.group_size)
         y = x @ self.weight(x.dtype).t()
         return y if bias is None else y + bias
