@@ -53,8 +53,6 @@ def test_lossless_coding_gives_the_dense_codes_and_results(weight_format, group_
 
 
 @pytest.mark.skipif(not has_ops(), reason="this build has no rans ops")
-@pytest.mark.xfail(reason="h-entropy-cpu: with several chunks along K the rans GEMV (M < 32) sums in another "
-                          "order than the dense GEMV (1-4 ulp in fp32); the contract asks for the dense op's result")
 def test_lossless_gemv_equals_the_dense_gemv():
     torch.manual_seed(1)
     dense = tm.MarlinLinear.from_linear(nn.Linear(128, 45), "fp4", 32)

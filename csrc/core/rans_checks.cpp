@@ -108,8 +108,8 @@ RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, cons
                       "group_size must be K = ", K, " (or -1) for weight_format='grid' (one step per column), got ",
                       group_size);
     TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='grid'");
-    // The grid's values have no zero point: the checks of a format without zeros, one group.
-    r.groups = check_groups(kFp4, K, scales, "scales", "the argument K", scales, zeros, weight_format, -1);
+    // One group, no zeros: the grid's number (csrc/cpu/rans_kernel_args.h) has no zeros.
+    r.groups = check_groups(kRansGridFormat, K, scales, "scales", "the argument K", scales, zeros, weight_format, -1);
   } else {
     const WeightFormat format = parse_weight_format(weight_format);
     check_group_size(group_size);

@@ -20,6 +20,9 @@ constexpr uint32_t kRansStateLow = 1u << 16;
 constexpr int64_t kRansMinProbBits = 10, kRansMaxProbBits = 15;
 // Alphabet sizes: a lossless format's 4-bit codes, or the grid's symbols s (value s - 128).
 constexpr int64_t kRansLosslessSymbols = 16, kRansGridSymbols = 256;
+// QuantizedShape::format of weight_format "grid": not a value format (no zeros;
+// the kernels' kind kRansGrid, csrc/cpu/rans_kernel_args.h).
+constexpr WeightFormat kRansGridFormat = WeightFormat(100);
 
 // What the tensor shapes and parameters say (after check_rans_streams).
 struct RansShape {
@@ -49,7 +52,7 @@ void check_rans_contents(const at::Tensor& words, const at::Tensor& word_offsets
 struct RansGemmShape {
   RansShape streams;
   bool grid;
-  QuantizedShape groups;  // k = K, format (grid: kFp4, a format without zeros), groups, group_rows
+  QuantizedShape groups;  // k = K, format (grid: kRansGridFormat), groups, group_rows
 };
 
 RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& word_offsets,

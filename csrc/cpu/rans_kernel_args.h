@@ -9,7 +9,12 @@ namespace marlin {
 namespace cpu {
 
 constexpr int kRansBlockCols = 32;  // lanes of a column block: one output column each
-constexpr int kRansGrid = 100;      // RansArgs::kind of weight_format "grid": value (s - 128) * step
+// RansArgs::kind of weight_format "grid": value (s - 128) * step. Not a value format
+// number: has_zeros and zeros_are_bias are false for it, as the grid has no zeros.
+constexpr int kRansGrid = 100;
+static_assert(!has_zeros(WeightFormat(kRansGrid)) && !zeros_are_bias(WeightFormat(kRansGrid)) &&
+                  values_exact_in_bf16(WeightFormat(kRansGrid)),
+              "the grid has no zeros and its values s - 128 are exact in bf16");
 
 // The per-call slot table (rans_ops.cpp builds it from freqs): for every slot
 // of [0, 2^prob_bits), its symbol s, freq[s] and slot - cum[s]. Up to

@@ -162,10 +162,6 @@ inline vf rans_value(vu sym) {
     return table_nibble<FormatDecode<Kind>>((vi)sym, 0);
 }
 
-// The value format whose zeros semantics apply (grid: none, as fp4).
-template <int Kind>
-constexpr int kRansFormat = Kind == kRansGrid ? int(kFp4) : Kind;
-
 // Scales (and zeros) of group g for `cols` columns from n0, zero-padded to `width`.
 template <int F>
 inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t cols, int width, float* scale,
@@ -188,7 +184,7 @@ constexpr int kRansGemvVectors = kRansGemvBlocks * kRansVectors;
 template <int Kind, bool Packed, bool Dot, int MR>
 uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int blocks, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
-  constexpr int F = kRansFormat<Kind>;
+  constexpr int F = Kind;  // has_zeros / zeros_are_bias: false for the grid
   constexpr int kCols = kRansGemvBlocks * kRansBlockCols;
   const GemmArgs& g = a.gemm;
   const int64_t n0 = b0 * kRansBlockCols, cols = a.n - n0 < kCols ? a.n - n0 : kCols;
@@ -291,7 +287,7 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 
 template <int Kind, bool Packed, bool Dot>
 struct RansTileFill {
-  static constexpr int F = kRansFormat<Kind>;
+  static constexpr int F = Kind;
   static constexpr int kBlocks = kTileCols / kRansBlockCols;
   const RansArgs& a;
   int64_t nb;
@@ -361,7 +357,7 @@ uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t 
   auto f = [&](int64_t k0, int64_t rows, float* tile) { fill(k0, rows, tile); };
 #if MARLIN_KERNEL_BF16_DOT
   if constexpr (Dot) {
-    gemm_tiles_dot<kRansFormat<Kind>>(a.gemm, m0, m1, nb, scratch, f);
+    gemm_tiles_dot<Kind>(a.gemm, m0, m1, nb, scratch, f);
     return fill.bad;
   }
 #endif

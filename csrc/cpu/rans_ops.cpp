@@ -17,6 +17,8 @@
 #include "cpu/ops.h"
 #include "cpu/rans_kernel_args.h"
 
+static_assert(int(marlin::kRansGridFormat) == marlin::cpu::kRansGrid, "one number for the grid");
+
 namespace marlin {
 namespace cpu {
 namespace {
@@ -118,13 +120,13 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
   check_rans_contents(words, word_offsets, states, freqs, s);
   const std::vector<uint32_t> table = slot_table(freqs, s);
   RansArgs a = make_rans_args(words, word_offsets, states, table, s);
-  a.kind = r.grid ? kRansGrid : int(r.groups.format);
+  a.kind = int(r.groups.format);  // kRansGrid for the grid
 
   const RansKernels& kern = rans_kernels();
   // As the dense op: builds with bf16 dot products take bf16 x as it is, for
   // values exact in bf16 (the grid's s - 128 are); pairs of K rows need an even K.
-  const bool exact_bf16 = r.grid || values_exact_in_bf16(r.groups.format);
-  const bool bf16_x = kernels().bf16_x && x.scalar_type() == at::kBFloat16 && exact_bf16 && K % 2 == 0;
+  const bool bf16_x =
+      kernels().bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(r.groups.format) && K % 2 == 0;
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = s.n;
   const at::Tensor x2 = bf16_x ? x.reshape({-1, K}).contiguous() : x.reshape({-1, K}).to(at::kFloat).contiguous();

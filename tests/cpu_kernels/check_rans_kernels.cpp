@@ -19,6 +19,7 @@
 
 #include "cpu/kernel_builds.h"
 #include "cpu/rans_kernel_args.h"
+#include "reference.h"
 
 using namespace marlin::cpu;
 
@@ -40,11 +41,6 @@ const RansKernels* rans_build(const std::string& name) {
   return nullptr;
 }
 
-double half_value(uint16_t h) {
-  const int sign = h >> 15, exp = (h >> 10) & 31, mant = h & 1023;
-  const double magnitude = exp == 0 ? ldexp(mant, -24) : ldexp(1024 + mant, exp - 25);
-  return sign ? -magnitude : magnitude;
-}
 uint16_t half_bits(double v) {  // for the small positive scales used here: normal fp16, truncated
   int e;
   const double m = frexp(v, &e);  // v = m 2^e, m in [0.5, 1)
@@ -62,19 +58,9 @@ float bf16_value(uint16_t b) {
   return f;
 }
 
-// A code's value before the scale, from docs/FORMAT.md (grid: s - 128).
-double value_of(int kind, int s) {
-  if (kind == kRansGrid) return s - 128;
-  switch (kind) {
-    case marlin::kFp4: {
-      const int e = (s >> 1) & 3, m = s & 1;
-      const double magnitude = e == 0 ? m * 0.5 : ldexp(1.0 + m / 2.0, e - 1);
-      return s & 8 ? -magnitude : magnitude;
-    }
-    case marlin::kInt4: return s - 8.0;
-    case marlin::kNf4: return marlin::kNf4Values[s];
-    default: return s;  // uint4, affine: q
-  }
+// A weight from its symbol: the value formats' reference (reference.h), or the grid's (s - 128) * step.
+double weight_of(int kind, int s, double scale, double zero) {
+  return kind == kRansGrid ? (s - 128) * scale : weight_value(kind, s, scale, zero);
 }
 
 struct Streams {
@@ -143,7 +129,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   const int symbols = cs.kind == kRansGrid ? 256 : 16;
   const int64_t k = cs.k, n = cs.n, m = cs.m;
   const int64_t rows = cs.group_size == -1 ? k : cs.group_size, groups = k / rows;
-  const bool zeros = cs.kind != kRansGrid && marlin::has_zeros(marlin::WeightFormat(cs.kind));
+  const bool zeros = marlin::has_zeros(marlin::WeightFormat(cs.kind));
   std::vector<int> codes(k * n);
   for (int& c : codes) {  // peaked around the middle, every symbol possible
     const double u = uniform() + uniform() + uniform() - 1.5;
@@ -219,7 +205,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   a.gemm.n = n;
   a.gemm.groups = groups;
   a.gemm.group_rows = rows;
-  a.gemm.format = cs.kind == kRansGrid ? int(marlin::kFp4) : cs.kind;
+  a.gemm.format = cs.kind;
   std::vector<float> out(m * n);
   a.gemm.out = out.data();
   const int64_t ld = a.blocks * 32;
@@ -242,9 +228,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
       for (int64_t r = 0; r < k; ++r) {
         const int64_t g = r / rows;
         const double s = half_value(scales[g * n + j]), z = half_value(zero[g * n + j]);
-        const double v = value_of(cs.kind, codes[r * n + j]);
-        double w = v * s;
-        if (zeros) w = cs.kind == marlin::kAffine ? v * s + z : (v - z) * s;
+        const double w = weight_of(cs.kind, codes[r * n + j], s, z);
         ref += double(x[i * k + r]) * w;
         magnitude += fabs(double(x[i * k + r]) * w);
       }
@@ -275,8 +259,8 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
 
 int main() {
   std::vector<Case> cases;
-  for (int kind : {int(marlin::kFp4), int(marlin::kUint4), int(marlin::kInt4), int(marlin::kNf4),
-                   int(marlin::kAffine), kRansGrid}) {
+  for (int kind = 0; kind <= marlin::kNumWeightFormats; ++kind) {
+    if (kind == marlin::kNumWeightFormats) kind = kRansGrid;
     const bool grid = kind == kRansGrid;
     cases.push_back({kind, 12, 1, 200, 70, 64, grid ? -1 : -1});
     cases.push_back({kind, 12, 2, 192, 70, 64, grid ? -1 : 32});
@@ -300,7 +284,7 @@ int main() {
     for (const Case& cs : cases) {
       for (bool bf16 : {false, true}) {
         // As the op: bf16 x for builds with bf16 dot products, values exact in bf16, even K.
-        const bool exact = cs.kind == kRansGrid || marlin::values_exact_in_bf16(marlin::WeightFormat(cs.kind));
+        const bool exact = marlin::values_exact_in_bf16(marlin::WeightFormat(cs.kind));
         if (bf16 && !(find_kernel_build(name)->bf16_x && exact && cs.k % 2 == 0)) continue;
         run_case(name, *kern, bf16, cs);
         ++checked;
