@@ -96,7 +96,7 @@ def write_gguf(model: nn.Module, path: str) -> None:
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
+    w.add_rope_freq_base(CONFIG["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0)
     # A vocabulary llama.cpp accepts (the benchmark feeds token ids, never text).
@@ -151,10 +151,10 @@ def same_weights_as_gguf(model: nn.Module, marlin: nn.Module) -> float:
     import gguf
 
     ref = model.model.layers[0].mlp.down_proj.weight.detach().float().numpy()
-    ours = marlin.model.layers[0].mlp.down_proj.quantized_weight().dequantize(torch.float32).t().numpy()
+    ours = marlin.model.layers[0].mlp.down_proj.quantized_weight().dequantize(torch.float32).numpy()
     theirs = gguf.quants.dequantize(gguf.quants.quantize(ref, gguf.GGMLQuantizationType.Q4_0),
                                     gguf.GGMLQuantizationType.Q4_0)
-    return float(np.abs(ours[:, :ref.shape[1]] - theirs).max())
+    return float(np.abs(ours - theirs).max())
 
 
 class GemvTimer:
