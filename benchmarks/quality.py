@@ -15,7 +15,12 @@ same way, with its dequantized weights in plain nn.Linear layers.
 Quantizer "gptq" is quantize_model(method="gptq") calibrated on the first
 --calibration-samples sentences of the project's own calibration text
 (torch_marlin/testing/calibration_en.txt, disjoint from the evaluation
-sentences); "gptq-act-order" adds act_order=True. "s" is wall time and
+sentences); "gptq-act-order" adds act_order=True. With --int8-activations
+each row also gives the cosines with int8 activations on the CPU
+(torch_marlin.cpu_int8_activations: x quantized per block of 32, as llama.cpp's
+Q8_0): that path serves GEMVs (up to 8 rows of x), so there every quantized
+layer is called on 8 rows at a time, as decoding one token at a time would.
+"s" is wall time and
 "cpu s" process CPU time of quantizing (calibration included): on a shared
 machine the CPU time is the steadier figure.
 
@@ -100,6 +105,26 @@ def lossless_sizes(model):
     return dense / params, coded / params, stream / params, entropy / params
 
 
+class EightRows:
+    """Every MarlinLinear of `model` called on at most 8 rows of x at a time (the GEMV path), while in use."""
+
+    def __init__(self, model):
+        import torch_marlin
+
+        self.layers = [m for m in model.modules() if isinstance(m, torch_marlin.MarlinLinear)]
+
+    def __enter__(self):
+        for layer in self.layers:
+            forward = layer.forward
+            layer.forward = lambda x, forward=forward: torch.cat(
+                [forward(part) for part in x.reshape(-1, x.shape[-1]).split(8)]).reshape(*x.shape[:-1], -1)
+        return self
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            del layer.forward
+
+
 def mlx_affine(w: torch.Tensor, group_size: int = 64) -> torch.Tensor:
     """MLX-style affine 4-bit: per group scale = (max - min) / 15, bias = min, both fp16."""
     n, k = w.shape
@@ -140,6 +165,8 @@ def main(argv=None) -> int:
                         help="also code every fixed-format result losslessly: its bits per weight, its stream "
                              "and its codes' entropy")
     parser.add_argument("--no-fixed", action="store_true", help="skip the fixed formats (with --bits)")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="also the cosines with int8 activations (8-row GEMVs, both ways)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -159,6 +186,7 @@ def main(argv=None) -> int:
                                         for g in args.group_sizes]
     rows = []
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; gptq calibration: {n_samples} sentences")
+    int8_columns = " | mean cosine, 8-row GEMVs | mean cosine, int8 x | min cosine, int8 x" if args.int8_activations else ""
     print("| format | group | quantizer | calibration | bits/weight | rel. weight error | mean cosine | min cosine "
           "| s | cpu s |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -167,6 +195,9 @@ def main(argv=None) -> int:
             for b in args.bits for q in dict.fromkeys("mse" if q == "absmax" else q for q in args.quantizers)]
     baseline = [] if args.no_fixed else [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))]
     for label, run in baseline + [
+          f"| s | cpu s{int8_columns} |")
+    print("| --- " * (10 + 3 * args.int8_activations) + "|")
+    for label, run in [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))] + [
             ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q, calibration)))
             for f, g, q in configs] + grid:
         model = fresh()
@@ -189,6 +220,23 @@ def main(argv=None) -> int:
             print("|   lossless: dense {dense_bits:.3f} -> entropy-coded {coded_bits:.3f} bits/weight; stream "
                   "{stream_bits:.3f} bits/code, code entropy {code_entropy:.3f} |".format(**row["lossless"]),
                   flush=True)
+        extra = ""
+        if args.int8_activations and label[0] != "mlx-affine":
+            import torch_marlin
+
+            with EightRows(model), torch_marlin.cpu_int8_activations(False):
+                gemv = (minilm.embed(model, batch) * reference).sum(-1)
+            with EightRows(model), torch_marlin.cpu_int8_activations(True):
+                int8 = (minilm.embed(model, batch) * reference).sum(-1)
+            row.update(mean_cosine_gemv=float(gemv.mean()), mean_cosine_int8=float(int8.mean()),
+                       min_cosine_int8=float(int8.min()))
+            extra = f" | {row['mean_cosine_gemv']:.5f} | {row['mean_cosine_int8']:.5f} | {row['min_cosine_int8']:.4f}"
+        elif args.int8_activations:
+            extra = " | - | - | -"
+        rows.append(row)
+        print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {cal or '-'} | {bits:.3f} | "
+              f"{rel:.4f} | {row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {seconds:.1f} | "
+              f"{cpu_seconds:.1f}{extra} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

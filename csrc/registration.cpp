@@ -129,4 +129,7 @@ TORCH_LIBRARY(marlin, m) {
       "Tensor sums)");
   // Internal: which CPU kernel builds this machine runs and which one was chosen (JSON).
   m.def("_cpu_kernels() -> str");
+  // Internal: whether CPU GEMVs quantize x to int8 blocks (docs/CPU.md); sets it when
+  // given, returns the setting before the call.
+  m.def("_cpu_int8_activations(bool? enabled=None) -> bool");
 }

@@ -187,18 +187,20 @@ def test_selected_kernel_build_is_reported():
         assert ("avx512_bf16" in info["passed_over"]) == intel
 
 
-# The reference tests of the dense and the 2:4 ops (both files), rerun under each build.
-REFERENCE_FILES = [__file__, str(Path(__file__).with_name("test_sparse24.py"))]
+# The reference tests of the dense and the 2:4 ops and of int8 activations, rerun under each build.
+REFERENCE_FILES = [__file__, str(Path(__file__).with_name("test_sparse24.py")),
+                   str(Path(__file__).with_name("test_int8_activations.py"))]
 REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and_batch_dims", "test_dequantize_is_exact",
                    "test_every_fp4_code_through_the_op", "test_selected_kernel_build_is_reported",
                    "test_gemv_one_row_wide_ranges", "test_every_nibble_is_checked",
-                   "test_gemm_large_k_batch_dims_and_empty"]
+                   "test_gemm_large_k_batch_dims_and_empty", "test_int8_gemv_matches_reference",
+                   "test_int8_gemv_large_k_and_batch_dims"]
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
 def test_kernel_build_matches_reference(build, child_pytest):
     """Each build this CPU runs (avx512_bf16, avx512, avx2, generic on x86), forced by
-    environment variable, dense and 2:4 ops; the aarch64 builds run under qemu in
+    environment variable, dense and 2:4 ops, int8 activations; the aarch64 builds run under qemu in
     test_cpu_kernels_aarch64.py."""
     info = cpu_kernels()
     if info["builds"][build]:
@@ -206,8 +208,8 @@ def test_kernel_build_matches_reference(build, child_pytest):
     if build == info["selected"]:
         pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
     env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    returncode, output = child_pytest(f"test_ops.py, test_sparse24.py reference tests under the {build} build",
-                                      [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
+    label = f"test_ops.py, test_sparse24.py, test_int8_activations.py reference tests under the {build} build"
+    returncode, output = child_pytest(label, [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
     assert returncode == 0, output[-6000:]
     assert " passed" in output and " failed" not in output
 

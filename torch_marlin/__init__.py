@@ -1,6 +1,7 @@
 """torch_marlin: FP4 (E2M1) and INT4 weight-only quantized matmul for PyTorch."""
 
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
+from .ops import cpu_int8_activations
 from .formats import E2M1_VALUES, GROUP_SIZES, WEIGHT_FORMATS, dequantize_reference, pack_codes, unpack_codes
 from . import gptq, sparsegpt  # noqa: F401  (register the calibrated methods "gptq", "sparsegpt", "wanda")
 from .linear import MarlinLinear, quantized_linear
@@ -20,6 +21,7 @@ enable_transformers_integration()
 __all__ = [
     "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts", "MarlinExpertsLinear",
     "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight", "SparseQuantizedWeight",
-    "dequantize_reference", "enable_transformers_integration", "from_pretrained", "fuse_projections", "pack_codes", "pack_fp4_weights",
-    "quantize_experts", "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
+    "cpu_int8_activations", "dequantize_reference", "enable_transformers_integration", "from_pretrained",
+    "fuse_projections", "pack_codes", "pack_fp4_weights", "quantize_experts", "quantize_model", "quantize_weight",
+    "quantized_linear", "register_quantizer", "unpack_codes",
 ]

@@ -113,10 +113,14 @@ at::Tensor moe_gemm_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const
   if (has_zeros(s.format)) xsum = xg.view({m.pairs, s.groups, s.group_rows}).sum(-1).contiguous();
   at::Tensor yg = at::empty({m.pairs, s.n}, x.options().dtype(at::kFloat));
 
-  const GemmArgs base = make_args(packed, scales, zeros, s);
+  GemmArgs base = make_args(packed, scales, zeros, s);
   const int64_t words = s.k / kPackFactor * s.n, group_values = s.groups * s.n;
   const std::vector<WorkItem> items = plan_items(r, s.experts, s.n);
   const CpuKernels& kern = kernels();
+  // The GEMV items (few rows of an expert) take int8 x where that is on (ops.h).
+  const bool q8 = use_gemv_q8(kern, s, 1) &&
+                  std::any_of(items.begin(), items.end(), [](const WorkItem& w) { return w.gemv; });
+  const Q8Activations xq = q8 ? quantize_activations_q8(xg, s, base) : Q8Activations{};
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -132,7 +136,12 @@ at::Tensor moe_gemm_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const
       a.out = yg.data_ptr<float>() + first * s.n;
       a.xsum = xsum.defined() ? xsum.data_ptr<float>() + first * s.groups : nullptr;
       a.m = r.start[w.expert + 1] - first;
-      if (w.gemv)
+      if (w.gemv && q8) {
+        a.q8_x += first * (s.k / 4);
+        a.q8_scale += first * (s.k / kQ8Block);
+        a.q8_gsum += first * s.groups;
+        kern.gemv_q8(a, w.m0 - first, w.m1 - first, w.n0, w.n1);
+      } else if (w.gemv)
         kern.gemv(a, w.m0 - first, w.m1 - first, w.n0, w.n1);
       else
         kern.gemm_tile(a, w.m0 - first, w.m1 - first, w.n0, scratch.get());

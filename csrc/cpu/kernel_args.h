@@ -1,4 +1,5 @@
-// Plain-pointer arguments of the CPU kernels (no torch types, see kernels_impl.h).
+// Plain-pointer arguments of the CPU kernels (no torch types, see kernels_impl.h),
+// and the format traits the kernels and the quantizer share.
 #pragma once
 #include <stdint.h>
 
@@ -10,6 +11,13 @@
 namespace marlin {
 namespace cpu {
 
+// Formats with a second tensor per group (`zeros`): a zero point, w = (value - zero)
+// * scale (uint4), or a bias added after the scale, w = value * scale + bias (affine).
+template <int F>
+constexpr bool kHasZeros = has_zeros(WeightFormat(F));
+template <int F>
+constexpr bool kZerosAreBias = zeros_are_bias(WeightFormat(F));
+
 struct GemmArgs {
   const float* x;          // [m, k] fp32, contiguous (null for dequantize, or when x_bf16 is set)
   const uint16_t* x_bf16;  // [m, k] bf16 bits, contiguous: instead of x, for builds with bf16_x
@@ -18,6 +26,12 @@ struct GemmArgs {
   const uint16_t* scales;  // [groups, n] fp16 bits
   const uint16_t* zeros;   // [groups, n] fp16 bits, uint4 only
   float* out;              // [m, n] fp32
+  // int8 activations (gemv_q8; ops.cpp's quantize_x_q8 writes them): x per block of
+  // kQ8Block K rows as int8 values xq with an fp32 scale dx, x ~ dx * xq.
+  const int32_t* q8_x;     // [m, k / 4]: per word row r (K rows 8r..8r+7) the quads
+                           // (xq[8r], xq[8r+2], xq[8r+4], xq[8r+6]) and (xq[8r+1], ..., xq[8r+7])
+  const float* q8_scale;   // [m, k / kQ8Block]: dx per block
+  const float* q8_gsum;    // [m, groups]: sum over the group's blocks of dx * (sum of the block's xq)
   int64_t m, k, n, groups, group_rows;
   int format;
 };
@@ -34,6 +48,9 @@ struct Sparse24Args : GemmArgs {
 // and applies it to all rows (any m works; this is the crossover ops.cpp uses);
 // above, gemm_tile dequantizes cache-sized tiles.
 constexpr int64_t kGemvMaxRows = 8;
+
+// K rows per int8 block of x (one scale each), as llama.cpp's Q8_0.
+constexpr int64_t kQ8Block = 32;
 
 // Columns per work item of each kernel; ops.cpp splits work along these.
 constexpr int64_t kGemvBlockCols = 64;
@@ -62,6 +79,11 @@ struct CpuKernels {
   uint32_t (*sparse24_gemm_tile)(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
   uint32_t (*sparse24_dequantize_rows)(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
   bool sparse24_bf16_x;  // the 2:4 kernels take x_bf16 (with x) for bf16 activations
+  // gemv with int8 x (q8_x, q8_scale, q8_gsum), for formats where gemv_q8_applies;
+  // group_rows a multiple of kQ8Block.
+  void (*gemv_q8)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+  bool (*gemv_q8_applies)(int format);
+  const char* int_dot;  // the integer dot product it uses: "vpdpbusd", "vpmaddubsw", "sdot", "portable"
 };
 
 // Each kernels_<isa>.cpp defines its table; a build that the compiler cannot

@@ -11,6 +11,9 @@
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1 << 14)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 #elif defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
 #endif
@@ -27,10 +30,10 @@ struct Build {
 
 // Best first; the automatic choice is the first one this CPU runs.
 const Build kBuilds[] = {
-    {"avx512_bf16", &avx512_bf16::kernels, "avx512f avx512bw avx512vl avx512dq avx512bf16 avx512vbmi fma f16c"},
+    {"avx512_bf16", &avx512_bf16::kernels, "avx512f avx512bw avx512vl avx512dq avx512bf16 avx512vbmi avx512vnni fma f16c"},
     {"avx512", &avx512::kernels, "avx512f avx512bw avx512vl avx512dq fma f16c"},
     {"avx2", &avx2::kernels, "avx2 fma f16c"},
-    {"neon_bf16", &neon_bf16::kernels, "bf16"},
+    {"neon_bf16", &neon_bf16::kernels, "bf16 dotprod"},
     {"generic", &generic::kernels, ""},
 };
 
@@ -42,7 +45,7 @@ bool cpu_has(const std::string& feature) {
 #define MARLIN_FEATURE(name) \
   if (feature == #name) return __builtin_cpu_supports(#name);
   MARLIN_FEATURE(avx512f) MARLIN_FEATURE(avx512bw) MARLIN_FEATURE(avx512vl) MARLIN_FEATURE(avx512dq)
-  MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
+  MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx512vnni) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
 #undef MARLIN_FEATURE
   if (feature == "f16c") {  // not a name Clang's __builtin_cpu_supports knows
     unsigned eax, ebx, ecx, edx;
@@ -50,11 +53,13 @@ bool cpu_has(const std::string& feature) {
   }
 #elif defined(__aarch64__) && defined(__linux__)
   if (feature == "bf16") return getauxval(AT_HWCAP2) & HWCAP2_BF16;
+  if (feature == "dotprod") return getauxval(AT_HWCAP) & HWCAP_ASIMDDP;
 #elif defined(__aarch64__) && defined(__APPLE__)
-  if (feature == "bf16") {
+  const char* key = feature == "bf16" ? "hw.optional.arm.FEAT_BF16" : feature == "dotprod" ? "hw.optional.arm.FEAT_DotProd" : nullptr;
+  if (key) {
     int value = 0;
     size_t size = sizeof(value);
-    return sysctlbyname("hw.optional.arm.FEAT_BF16", &value, &size, nullptr, 0) == 0 && value;
+    return sysctlbyname(key, &value, &size, nullptr, 0) == 0 && value;
   }
 #endif
   return false;

@@ -4,10 +4,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <string>
 
+#include "cpu/activation_q8.h"
 #include "cpu/kernel_builds.h"
 #include "cpu/ops.h"
 
@@ -24,6 +26,37 @@ const CpuKernels& kernels() {
 
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor for the CPU kernel, got ", t.device());
+}
+
+namespace {
+std::atomic<bool> g_int8_activations{false};
+}  // namespace
+
+bool int8_activations() { return g_int8_activations.load(std::memory_order_relaxed); }
+
+bool use_gemv_q8(const CpuKernels& kern, const QuantizedShape& s, int64_t m) {
+  return m <= kGemvMaxRows && int8_activations() && s.group_rows % kQ8Block == 0 &&
+         kern.gemv_q8_applies(static_cast<int>(s.format));
+}
+
+Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, GemmArgs& a) {
+  const int64_t m = x.size(0);
+  Q8Activations q{at::empty({m, s.k / 4}, x.options().dtype(at::kInt)),
+                  at::empty({m, s.k / kQ8Block}, x.options().dtype(at::kFloat)),
+                  at::empty({m, s.groups}, x.options().dtype(at::kFloat))};
+  a.q8_x = q.x.data_ptr<int32_t>();
+  a.q8_scale = q.scale.data_ptr<float>();
+  a.q8_gsum = q.gsum.data_ptr<float>();
+  auto run = [&](const auto* xs) {
+    quantize_x_q8(xs, m, s.k, s.group_rows, q.x.data_ptr<int32_t>(), q.scale.data_ptr<float>(), q.gsum.data_ptr<float>());
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(x.data_ptr<float>());
+  else if (x.scalar_type() == at::kBFloat16)
+    run(x.data_ptr<at::BFloat16>());
+  else
+    run(x.data_ptr<at::Half>());
+  return q;
 }
 
 GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales,
@@ -50,11 +83,25 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   check_cpu(packed, "packed");
 
   const CpuKernels& kern = kernels();
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = s.n;
+  if (use_gemv_q8(kern, s, x.numel() / s.k)) {  // int8 x, from x's own dtype
+    const at::Tensor x2 = x.reshape({-1, s.k}).contiguous();
+    const int64_t m = x2.size(0);
+    at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));
+    if (m > 0) {
+      GemmArgs a = make_args(packed, scales, zeros, s);
+      const Q8Activations q = quantize_activations_q8(x2, s, a);
+      a.out = out.data_ptr<float>();
+      a.m = m;
+      parallel_gemv(s.n, [&](int64_t n0, int64_t n1) { kern.gemv_q8(a, 0, m, n0, n1); });
+    }
+    if (bias) out.add_(bias->to(at::kFloat));
+    return out.to(x.scalar_type()).view(out_sizes);
+  }
   // Builds with bf16 dot products take bf16 x as it is (for formats whose values bf16
   // holds); the others take fp32.
   const bool bf16_x = kern.bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(s.format);
-  auto out_sizes = x.sizes().vec();
-  out_sizes.back() = s.n;
   const at::Tensor x2 = bf16_x ? x.reshape({-1, s.k}).contiguous() : x.reshape({-1, s.k}).to(at::kFloat).contiguous();
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));
@@ -97,9 +144,15 @@ at::Tensor dequantize_cpu(const at::Tensor& packed, const at::Tensor& scales,
   return out.to(out_dtype);
 }
 
+// The int8-activation setting: sets it when `enabled` is given; returns the one before.
+bool cpu_int8_activations(c10::optional<bool> enabled) {
+  return enabled ? g_int8_activations.exchange(*enabled) : int8_activations();
+}
+
 // JSON: {"selected": build or null, "error": why none, "builds": {build: "" if
 // this CPU runs it, else why not}, "passed_over": {build: why the automatic
-// choice skips it, for builds this CPU runs}}; the tests and benchmarks report it.
+// choice skips it, for builds this CPU runs}, "int_dot": the selected build's int8
+// dot product}; the tests and benchmarks report it.
 std::string cpu_kernels_info() {
   const KernelSelection selected = select_kernel_build(std::getenv("TORCH_MARLIN_CPU_KERNELS"));
   std::string builds, passed_over;
@@ -110,8 +163,9 @@ std::string cpu_kernels_info() {
       passed_over += (passed_over.empty() ? "\"" : ", \"") + name + "\": \"" + why + "\"";
   }
   const std::string name = selected.kernels ? "\"" + std::string(selected.kernels->name) + "\"" : "null";
+  const std::string int_dot = selected.kernels ? "\"" + std::string(selected.kernels->int_dot) + "\"" : "null";
   return "{\"selected\": " + name + ", \"error\": \"" + selected.error + "\", \"builds\": {" + builds +
-         "}, \"passed_over\": {" + passed_over + "}}";
+         "}, \"passed_over\": {" + passed_over + "}, \"int_dot\": " + int_dot + "}";
 }
 
 }  // namespace
@@ -121,7 +175,10 @@ TORCH_LIBRARY_IMPL(marlin, CPU, m) {
   m.impl("dequantize", &dequantize_cpu);
 }
 
-TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) { m.impl("_cpu_kernels", &cpu_kernels_info); }
+TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_kernels", &cpu_kernels_info);
+  m.impl("_cpu_int8_activations", &cpu_int8_activations);
+}
 
 }  // namespace cpu
 }  // namespace marlin

@@ -21,6 +21,19 @@ const CpuKernels& kernels();
 
 void check_cpu(const at::Tensor& t, const char* name);
 
+// Whether GEMVs (m <= kGemvMaxRows) quantize x to int8 blocks (the process-wide
+// setting of torch.ops.marlin._cpu_int8_activations, docs/CPU.md), and whether
+// that path takes this weight.
+bool int8_activations();
+bool use_gemv_q8(const CpuKernels& kern, const QuantizedShape& s, int64_t m);
+
+// x [m, k] (fp32, bf16 or fp16, contiguous) as int8 blocks for gemv_q8: sets
+// a.q8_x, a.q8_scale, a.q8_gsum to the returned tensors' data.
+struct Q8Activations {
+  at::Tensor x, scale, gsum;
+};
+Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, GemmArgs& a);
+
 // Kernel arguments of a packed weight (the first matrix of a stack); x, out and m are the caller's.
 GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,
                    const QuantizedShape& s);
@@ -29,15 +42,17 @@ GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales, const c10
 // gemv(n0, n1) on column blocks; above: gemm_tile(m0, m1, nb, scratch) on
 // column tiles x row blocks, where row blocks only split large M, since each
 // one dequantizes its column tile again.
+template <class Gemv>
+void parallel_gemv(int64_t n, Gemv&& gemv) {
+  const int64_t blocks = (n + kGemvBlockCols - 1) / kGemvBlockCols;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    gemv(b0 * kGemvBlockCols, std::min(n, b1 * kGemvBlockCols));
+  });
+}
+
 template <class Gemv, class GemmTile>
 void parallel_gemm(int64_t m, int64_t n, Gemv&& gemv, GemmTile&& gemm_tile) {
-  if (m <= kGemvMaxRows) {
-    const int64_t blocks = (n + kGemvBlockCols - 1) / kGemvBlockCols;
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-      gemv(b0 * kGemvBlockCols, std::min(n, b1 * kGemvBlockCols));
-    });
-    return;
-  }
+  if (m <= kGemvMaxRows) return parallel_gemv(n, gemv);
   const int64_t col_tiles = (n + kGemmBlockCols - 1) / kGemmBlockCols;
   const int64_t want_row_blocks = (2 * at::get_num_threads() + col_tiles - 1) / col_tiles;
   const int64_t rows_per_item = std::max<int64_t>(64, (m + want_row_blocks - 1) / want_row_blocks);

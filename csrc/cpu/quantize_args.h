@@ -53,6 +53,15 @@ constexpr int64_t kQuantizeBlockRows = 16;
   QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float* scratch); \
   }
 
+// A build this architecture cannot compile (x86 builds elsewhere): the portable one under its name.
+#define MARLIN_QUANTIZE_FORWARD_TO_GENERIC(NS)                                                          \
+  namespace NS {                                                                                          \
+  int64_t quantize_scratch_floats(const QuantizeArgs& a) { return generic::quantize_scratch_floats(a); } \
+  QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float* scratch) {            \
+    return generic::quantize_rows(a, n0, n1, scratch);                                                    \
+  }                                                                                                       \
+  }
+
 MARLIN_DECLARE_QUANTIZE_KERNELS(avx512)
 MARLIN_DECLARE_QUANTIZE_KERNELS(avx2)
 MARLIN_DECLARE_QUANTIZE_KERNELS(generic)

@@ -1,7 +1,8 @@
 // The quantizers of torch_marlin/quantize.py ("mse" search, "absmax") on raw
 // pointers, dense or after 2:4 pruning (torch_marlin/sparsity.py), written once
 // and compiled per ISA like kernels_impl.h:
-// quantize_avx512.cpp, quantize_avx2.cpp and quantize_generic.cpp.
+// quantize_avx512.cpp, quantize_avx2.cpp and quantize_generic.cpp, on the
+// vector primitives and fp16 helpers of cpu/cpu_vec.h.
 //
 // The Python functions are the specification and this code reproduces them
 // bit for bit: every float operation is the reference's, in its order (FP
@@ -16,108 +17,42 @@
 // on vectors in scratch memory, with a lane mask for the padding. The sum
 // order does not depend on the vector width.
 //
-// Like kernels_impl.h this includes no C++ library headers and keeps its
-// helpers in an anonymous namespace, so the ISA builds cannot mix (ODR).
+// Like the kernels this includes no C++ library headers and keeps its helpers
+// in an anonymous namespace, so the ISA builds cannot mix (ODR).
 //
-// Usage: define MARLIN_QUANT_NS, MARLIN_QUANT_LANES (floats per register) and,
-// for an ISA beyond the compiler's default, MARLIN_QUANT_TARGET (a target
-// attribute string) and MARLIN_QUANT_F16C=1 where F16C exists, then include
-// this file; it can be included again for another build.
+// Usage: define MARLIN_QUANT_NS and the feature macros of cpu/cpu_vec.h (and
+// MARLIN_VECTOR_BYTES for a width other than the register's), then include
+// this file, once per translation unit.
+#pragma once
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu/quantize_args.h"
-
-#define MARLIN_QUANT_PRAGMA(...) _Pragma(#__VA_ARGS__)
-#ifdef MARLIN_QUANT_TARGET  // e.g. "avx2,f16c": this build's instruction sets
-#ifdef __clang__
-#define MARLIN_QUANT_TARGET_PUSH(t) \
-  MARLIN_QUANT_PRAGMA(clang attribute push(__attribute__((target(t))), apply_to = function))
-MARLIN_QUANT_TARGET_PUSH(MARLIN_QUANT_TARGET)
-#else
-#define MARLIN_QUANT_TARGET_PUSH(t) MARLIN_QUANT_PRAGMA(GCC target(t))
-#pragma GCC push_options
-MARLIN_QUANT_TARGET_PUSH(MARLIN_QUANT_TARGET)
-#endif
-#endif
-
+// Every float operation is the reference's: no contraction into FMA (set
+// before the vector helpers, so that it covers them too).
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #else
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#ifndef MARLIN_QUANT_F16C
-#define MARLIN_QUANT_F16C 0
-#endif
+#define MARLIN_ISA_NS MARLIN_QUANT_NS
+#include "cpu/cpu_vec.h"
+#include "cpu/quantize_args.h"
 
 namespace marlin {
 namespace cpu {
 namespace MARLIN_QUANT_NS {
 namespace {
 
-#ifndef MARLIN_QUANT_LANES
-#define MARLIN_QUANT_LANES 4  // one 128-bit register (SSE2, NEON)
-#endif
-constexpr int kLanes = MARLIN_QUANT_LANES;  // floats per vector: the ISA's register width
-
-typedef float vf __attribute__((vector_size(4 * kLanes)));
-typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint8_t vb __attribute__((vector_size(kLanes)));
 typedef float v2f __attribute__((vector_size(8)));
-typedef float v4f __attribute__((vector_size(16)));
-typedef float v8f __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
-typedef short v8h __attribute__((vector_size(16)));
 
 // The constants of quantize.py.
 constexpr float kFp16Max = 65504.0f;
 constexpr float kFp16Tiny = 6.103515625e-05f;  // 2^-14
 constexpr float kMinDenominator = 1e-30f;      // clamp_min(1e-30) of the refits
 constexpr int kMaxGroup = 256;                 // the longest group kept in registers
-
-// --- fp16 -------------------------------------------------------------------------------
-
-#if MARLIN_QUANT_F16C
-inline uint16_t fp16_bits(float f) {
-  const v8h h = __builtin_ia32_vcvtps2ph(v4f{f, 0, 0, 0}, 0);  // 0: to nearest, ties to even
-  return uint16_t(h[0]);
-}
-inline float fp16_value(uint16_t h) { return __builtin_ia32_vcvtph2ps(v8h{short(h)})[0]; }
-#else
-// Nearest fp16 of a float, ties to even (as torch's .to(torch.float16)).
-inline uint16_t fp16_bits(float f) {
-  uint32_t x;
-  memcpy(&x, &f, 4);
-  const uint16_t sign = uint16_t((x >> 16) & 0x8000);
-  uint32_t a = x & 0x7FFFFFFFu;
-  if (a > 0x7F800000u) return sign | 0x7E00;   // NaN
-  if (a >= 0x477FF000u) return sign | 0x7C00;  // 65520 and up round to infinity
-  if (a < 0x38800000u) {                       // below 2^-14: subnormal, steps of 2^-24
-    float m;
-    memcpy(&m, &a, 4);
-    m = m * 16777216.0f;                       // exact: times 2^24, below 1024
-    m = (m + 8388608.0f) - 8388608.0f;         // to an integer, ties to even
-    return sign | uint16_t(m);                 // 1024 is the smallest normal's bit pattern
-  }
-  a -= 112u << 23;                                       // exponent bias 127 -> 15
-  return sign | uint16_t((a + 0xFFFu + ((a >> 13) & 1u)) >> 13);  // drop 13 bits, ties to even
-}
-inline float fp16_value(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
-  uint32_t bits;
-  if (e == 0) {
-    const float v = float(m) * 5.9604644775390625e-08f;  // m * 2^-24, exact
-    memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else {
-    bits = sign | (e == 31 ? 0x7F800000u : (e + 112) << 23) | (m << 13);
-  }
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-#endif
 
 inline float fp16_round(float f) { return fp16_value(fp16_bits(f)); }
 
@@ -126,13 +61,6 @@ inline float clamp(float x, float lo, float hi) { return x < lo ? lo : (x > hi ?
 
 // --- vectors ------------------------------------------------------------------------------
 
-inline vf splat(float f) { return f - vf{}; }  // x - (+0) is x, -0 included: a broadcast
-inline vi splat_i(int32_t i) { return vi{} + i; }
-inline vf load_vector(const float* p) {
-  vf v;
-  memcpy(&v, p, sizeof(v));
-  return v;
-}
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf bit_and(vf a, vi m) { return (vf)((vi)a & m); }
@@ -176,12 +104,12 @@ inline float horizontal_sum(v2f v) { return v[0] + v[1]; }
 inline float horizontal_sum(v4f v) {
   return horizontal_sum(__builtin_shufflevector(v, v, 0, 1) + __builtin_shufflevector(v, v, 2, 3));
 }
-#if MARLIN_QUANT_LANES >= 8
+#if MARLIN_VECTOR_BYTES >= 32
 inline float horizontal_sum(v8f v) {
   return horizontal_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7));
 }
 #endif
-#if MARLIN_QUANT_LANES >= 16
+#if MARLIN_VECTOR_BYTES >= 64
 inline float horizontal_sum(v16f v) {
   return horizontal_sum(__builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15));
@@ -215,11 +143,6 @@ inline float tree_sum(vf* e, int count) {
 //   kMaxValue (symmetric: the absmax maps to it) or kValueRange (with zeros: the range maps onto it)
 template <int kFormat>
 struct QuantFormat;
-
-template <int kFormat>
-constexpr bool kHasZeros = has_zeros(WeightFormat(kFormat));
-template <int kFormat>
-constexpr bool kZerosAreBias = zeros_are_bias(WeightFormat(kFormat));
 
 template <>
 struct QuantFormat<kFp4> {
@@ -600,16 +523,7 @@ bool load_row(const QuantizeArgs& a, int64_t n, float* dst, int64_t width) {
       uint32_t* bits = reinterpret_cast<uint32_t*>(dst);
       for (int64_t i = 0; i < k; ++i) bits[i] = uint32_t(src[i]) << 16;
     } else {
-      int64_t i = 0;
-#if MARLIN_QUANT_F16C
-      for (; i + 8 <= k; i += 8) {
-        v8h h;
-        memcpy(&h, src + i, sizeof(h));
-        const v8f f = __builtin_ia32_vcvtph2ps256(h);
-        memcpy(dst + i, &f, sizeof(f));
-      }
-#endif
-      for (; i < k; ++i) dst[i] = fp16_value(src[i]);
+      fp16_to_float(dst, src, k);
     }
   }
   memset(dst + k, 0, (width - k) * sizeof(float));
@@ -668,7 +582,7 @@ constexpr int kSparseValueOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // layouts/spars
 template <int kFormat, int kV>
 float quantize_fixed(const float* w, const QuantizeArgs& a, uint8_t* codes, Candidate* best, float* norm2) {
   FixedGroup<kV> g;
-  for (int j = 0; j < kV; ++j) g.w[j] = load_vector(w + kLanes * j);
+  for (int j = 0; j < kV; ++j) g.w[j] = load(w + kLanes * j);
   g.len = float(a.group_len);
   return quantize_group<kFormat>(g, a, codes, best, norm2);
 }
@@ -762,17 +676,3 @@ QuantizeSums quantize_rows(const QuantizeArgs& a, int64_t n0, int64_t n1, float*
 }  // namespace MARLIN_QUANT_NS
 }  // namespace cpu
 }  // namespace marlin
-
-#ifdef MARLIN_QUANT_TARGET
-#ifdef __clang__
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
-#endif
-#undef MARLIN_QUANT_TARGET_PUSH
-#undef MARLIN_QUANT_PRAGMA
-#undef MARLIN_QUANT_TARGET
-#undef MARLIN_QUANT_NS
-#undef MARLIN_QUANT_LANES
-#undef MARLIN_QUANT_F16C

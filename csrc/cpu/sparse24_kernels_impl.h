@@ -1,9 +1,14 @@
-// CPU kernels of the 2:4 sparse layout (docs/FORMAT.md), written once and
-// compiled into every per-ISA unit: cpu/kernels_impl.h includes this file at
-// its end, in the same anonymous namespace, so the vector types, value
-// decoders and pieces of the dense kernels are reused, and its build table
-// (CpuKernels) carries these entry points too.
-//
+// CPU kernels of the 2:4 sparse layout (docs/FORMAT.md), part of one kernel
+// build (see cpu/cpu_vec.h; cpu/kernels_impl.h puts its entry points into the
+// build's table, CpuKernels). It reuses the value decode and the dense
+// kernels' panels, register blocks and GEMM loops.
+#pragma once
+#include "cpu/cpu_vec.h"
+#include "cpu/dense_gemm.h"
+#include "cpu/dense_gemv.h"
+#include "cpu/format_decode.h"
+#include "cpu/kernel_args.h"
+
 // Layout recap: values word [r, n] holds the 8 kept codes of K rows
 // 16r..16r+15: nibble j is kept weight j / 4 of block j % 4; metadata word
 // [r / 2, n] holds 8 nibbles pos0 | pos1 << 2, half r % 2 of it (16 bits) the
@@ -21,6 +26,11 @@
 // micro-kernels (fp32, or bf16 pairs for fp4/int4 with bf16 x). Every kernel
 // checks each metadata word it decodes and returns nonzero if one holds an
 // invalid pattern.
+
+namespace marlin {
+namespace cpu {
+namespace MARLIN_ISA_NS {
+namespace {
 
 constexpr int kSparseChunkWords = 8;          // gemv: values rows per pass (128 K rows)
 constexpr int32_t kFillMetadata = 0x44444444;  // (0, 1) in every block: pads tail columns
@@ -578,3 +588,8 @@ uint32_t sparse24_dequantize_rows(const Sparse24Args& a, int64_t k0, int64_t k1,
   return with_format(a.format,
                      [&]<int F>() { return any_lane(sparse_dequant_tile<F, false>(a, k0, k1 - k0, nb, tile)); });
 }
+
+}  // namespace
+}  // namespace MARLIN_ISA_NS
+}  // namespace cpu
+}  // namespace marlin

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/activation_q8.h"
 #include "cpu/kernel_builds.h"
 #include "reference.h"
 
@@ -179,6 +180,39 @@ void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::st
   const GemmArgs a = gemm_args(p, bf16, xsum, out);
   over_gemv_ranges(p.c.n, [&](int64_t n0, int64_t n1) { kern.gemv(a, 0, p.c.m, n0, n1); });
   check_gemm(p, p.w, bf16, out, what + " gemv");
+}
+
+// The int8-activation GEMV: x quantized as ops.cpp does (cpu/activation_q8.h), against the
+// float64 products of exactly those int8 values and scales with the weights.
+void run_gemv_q8(const CpuKernels& kern, const Problem& p, const std::string& what) {
+  const int64_t m = p.c.m, n = p.c.n, k = p.c.k, blocks = k / kQ8Block;
+  std::vector<int32_t> xq(m * k / 4);
+  std::vector<float> scale(m * blocks), gsum(m * p.groups), out(m * n, NAN);
+  quantize_x_q8(p.x.data(), m, k, p.group_rows, xq.data(), scale.data(), gsum.data());
+  GemmArgs a = p.args();
+  a.q8_x = xq.data();
+  a.q8_scale = scale.data();
+  a.q8_gsum = gsum.data();
+  a.out = out.data();
+  over_gemv_ranges(n, [&](int64_t n0, int64_t n1) { kern.gemv_q8(a, 0, m, n0, n1); });
+  const int8_t* bytes = reinterpret_cast<const int8_t*>(xq.data());
+  double worst = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double ref = 0, magnitude = 0;
+      for (int64_t r = 0; r < k; ++r) {
+        const int64_t pos = r / 8 * 8 + (r % 2) * 4 + (r % 8) / 2;  // the quads' order
+        const double xv = double(scale[i * blocks + r / kQ8Block]) * bytes[i * k + pos];
+        ref += xv * p.w[r * n + j];
+        // the terms the kernel sums: values and zeros (offsets) times the scale, apart
+        const double s = half_value(p.scales[r / p.group_rows * n + j]);
+        magnitude += fabs(xv) * (fabs(p.w[r * n + j]) + 16 * fabs(s) + fabs(half_value(p.zeros[r / p.group_rows * n + j])));
+      }
+      const double err = fabs(out[i * n + j] - ref), bound = 1e-6 * magnitude + 1e-30;
+      if (!(err <= bound) && err / bound > worst) worst = err / bound;
+    }
+  }
+  if (worst > 0) fail(what + " gemv_q8: error up to " + std::to_string(worst) + "x the bound");
 }
 
 void run_gemm_tile(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
@@ -343,6 +377,7 @@ int main(int argc, char** argv) {
     }
     const CpuKernels& kern = *find_kernel_build(name);
     const int before = failures;
+    int q8_cases = 0;
     for (const Problem& p : problems) {
       for (bool bf16 : {false, true}) {
         // As the ops: bf16 x only to the formats whose values bf16 holds.
@@ -353,6 +388,13 @@ int main(int argc, char** argv) {
                  (long long)p.c.group_size);
         run_gemv(kern, p, bf16, what);
         run_gemm_tile(kern, p, bf16, what);
+      }
+      // As the ops: int8 x for few rows, where the format and the group size allow it.
+      if (p.c.m <= kGemvMaxRows && p.group_rows % kQ8Block == 0 && kern.gemv_q8_applies(p.c.format)) {
+        run_gemv_q8(kern, p, name + " " + format_name(p.c.format) + " x=int8 m=" + std::to_string(p.c.m) +
+                                 " n=" + std::to_string(p.c.n) + " k=" + std::to_string(p.c.k) +
+                                 " g=" + std::to_string(p.c.group_size));
+        ++q8_cases;
       }
       run_dequantize(kern, p, name + " " + format_name(p.c.format));
     }
@@ -368,9 +410,10 @@ int main(int argc, char** argv) {
       }
       run_sparse_dequantize(kern, sp, name + " 2:4 " + format_name(c.format));
     }
-    printf("%s %s (%zu dense and %zu 2:4 cases; dense %s, 2:4 %s)\n", failures == before ? "PASS" : "FAIL",
-           name.c_str(), problems.size(), sparse.size(), kern.bf16_x ? "fp32 and bf16 x" : "fp32 x",
-           kern.sparse24_bf16_x ? "fp32 and bf16 x" : "fp32 x");
+    printf("%s %s (%zu dense and %zu 2:4 cases; dense %s, 2:4 %s; %d int8-x gemv cases, %s)\n",
+           failures == before ? "PASS" : "FAIL", name.c_str(), problems.size(), sparse.size(),
+           kern.bf16_x ? "fp32 and bf16 x" : "fp32 x", kern.sparse24_bf16_x ? "fp32 and bf16 x" : "fp32 x", q8_cases,
+           kern.int_dot);
     ++checked;
   }
 

@@ -1,0 +1,50 @@
+// x as int8 blocks for the int8-activation GEMV (GemmArgs::q8_x, q8_scale,
+// q8_gsum; cpu/dense_gemv_q8.h). No torch: ops.cpp and the kernel harness
+// (tests/cpu_kernels) share it.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include "cpu/kernel_args.h"
+
+namespace marlin {
+namespace cpu {
+
+// Rows [0, m) of x ([m, k], any type that converts to float), k and group_rows
+// multiples of kQ8Block. Per block of 32: dx = max |x| / 127 and xq = round(x / dx)
+// (ties to even) in fp32; an all-zero block gets dx = 0, xq = 0.
+// tests/test_int8_activations.py reproduces it exactly.
+template <class T>
+void quantize_x_q8(const T* x, int64_t m, int64_t k, int64_t group_rows, int32_t* q8_x, float* scale, float* gsum) {
+  const int64_t blocks = k / kQ8Block, group_blocks = group_rows / kQ8Block, groups = k / group_rows;
+  int8_t* xq = reinterpret_cast<int8_t*>(q8_x);
+  for (int64_t i = 0; i < m; ++i) {
+    float group_sum = 0.f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[kQ8Block], amax = 0.f;
+      for (int j = 0; j < kQ8Block; ++j) {
+        v[j] = static_cast<float>(x[i * k + b * kQ8Block + j]);
+        amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
+      }
+      const float d = amax / 127.f;
+      int32_t sum = 0;
+      int8_t* dst = xq + i * k + b * kQ8Block;
+      for (int j = 0; j < kQ8Block; ++j) {
+        const float r = d == 0.f ? 0.f : nearbyintf(v[j] / d);  // |v / d| <= 127 up to rounding
+        const int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : static_cast<int32_t>(r);
+        sum += q;
+        // Word row j / 8: its even K rows in the first quad, its odd rows in the second.
+        dst[(j & ~7) + (j & 1) * 4 + (j & 7) / 2] = static_cast<int8_t>(q);
+      }
+      scale[i * blocks + b] = d;
+      group_sum += d * static_cast<float>(sum);
+      if (b % group_blocks == group_blocks - 1) {
+        gsum[i * groups + b / group_blocks] = group_sum;
+        group_sum = 0.f;
+      }
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace marlin
