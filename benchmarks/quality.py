@@ -188,16 +188,13 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; gptq calibration: {n_samples} sentences")
     int8_columns = " | mean cosine, 8-row GEMVs | mean cosine, int8 x | min cosine, int8 x" if args.int8_activations else ""
     print("| format | group | quantizer | calibration | bits/weight | rel. weight error | mean cosine | min cosine "
-          "| s | cpu s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| s | cpu s{int8_columns} |")
+    print("| --- " * (10 + 3 * args.int8_activations) + "|")
     grid = [((f"rans {b}", -1, "rtn" if q in ("mse", "absmax") else q),
              (lambda m, b=b, q=q: quantize_entropy_coded(m, b, q, calibration)))
             for b in args.bits for q in dict.fromkeys("mse" if q == "absmax" else q for q in args.quantizers)]
     baseline = [] if args.no_fixed else [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))]
     for label, run in baseline + [
-          f"| s | cpu s{int8_columns} |")
-    print("| --- " * (10 + 3 * args.int8_activations) + "|")
-    for label, run in [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))] + [
             ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q, calibration)))
             for f, g, q in configs] + grid:
         model = fresh()
@@ -212,14 +209,6 @@ def main(argv=None) -> int:
         if args.entropy_code and not label[0].startswith(("rans", "mlx")):
             row["lossless"] = dict(zip(("dense_bits", "coded_bits", "stream_bits", "code_entropy"),
                                        lossless_sizes(model)))
-        rows.append(row)
-        print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {cal or '-'} | {bits:.3f} | "
-              f"{rel:.4f} | {row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {seconds:.1f} | "
-              f"{cpu_seconds:.1f} |", flush=True)
-        if "lossless" in row:
-            print("|   lossless: dense {dense_bits:.3f} -> entropy-coded {coded_bits:.3f} bits/weight; stream "
-                  "{stream_bits:.3f} bits/code, code entropy {code_entropy:.3f} |".format(**row["lossless"]),
-                  flush=True)
         extra = ""
         if args.int8_activations and label[0] != "mlx-affine":
             import torch_marlin
@@ -237,6 +226,10 @@ def main(argv=None) -> int:
         print(f"| {row['format']} | {row['group_size']} | {row['quantizer']} | {cal or '-'} | {bits:.3f} | "
               f"{rel:.4f} | {row['mean_cosine']:.4f} | {row['min_cosine']:.4f} | {seconds:.1f} | "
               f"{cpu_seconds:.1f}{extra} |", flush=True)
+        if "lossless" in row:
+            print("|   lossless: dense {dense_bits:.3f} -> entropy-coded {coded_bits:.3f} bits/weight; stream "
+                  "{stream_bits:.3f} bits/code, code entropy {code_entropy:.3f} |".format(**row["lossless"]),
+                  flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
