@@ -15,7 +15,7 @@ calibration tokens; same format and group size for both methods):
   all-MiniLM-L6-v2's hidden states (its 6 layers' outputs concatenated, first 2048
   dims) over English text, routed by a random softmax top-8 router. Calibration:
   `--sequences` x 128 tokens of docs/*.md and the first 240 calibration lines;
-  held out: the last 47 lines (--experts N: only the first N experts are built and
+  held out: the last 47 lines and the next 64 chunks (--experts N: only the first N experts are built and
   calibrated, the routing still over 128, to extrapolate the time). Prints CPU time (process time) and peak RSS of the
   calibration itself.
 
@@ -84,7 +84,7 @@ def per_expert_errors(float_module, float_w, quantized, x, ids):
     """{expert: relative output error} on held-out rows x [T, H] routed by ids [T, k]."""
     q_w = quantized_stacks(quantized)
     out = {}
-    for e in range(ids.max().item() + 1):
+    for e in range(next(iter(float_w.values()))[0].shape[0]):
         rows = x[(ids == e).any(-1)].double()
         if rows.shape[0] == 0:
             continue
@@ -235,10 +235,11 @@ def route(x, router, top_k=8):
 
 def run_layer(args):
     train, held = text_lines()
-    texts = (docs_chunks() + train)[:args.sequences]
+    chunks = docs_chunks() + train
+    texts = chunks[:args.sequences]
     start = time.process_time()
     x_cal = minilm_features(texts, 128)
-    x_held = minilm_features(held, 128)
+    x_held = minilm_features(held + chunks[args.sequences:args.sequences + 64], 128)
     print(f"activations: {x_cal.shape[0]} calibration tokens from {len(texts)} sequences (<= 128 tokens), "
           f"{x_held.shape[0]} held out; MiniLM {time.process_time() - start:.0f} CPU s", flush=True)
     module, router = qwen3_layer(experts=args.experts)  # routed over all 128; only the first --experts built
