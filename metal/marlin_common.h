@@ -39,7 +39,7 @@ inline constexpr bool has_zeros(WeightFormat f) { return f == kUint4 || f == kAf
 inline constexpr bool zeros_are_bias(WeightFormat f) { return f == kAffine; }
 
 // Whether every code value (before the scale) is exact in bf16, so that bf16
-// activations may take the CPU's bf16 pair-dot kernels (csrc/cpu/kernels_impl.h
+// activations may take the CPU's bf16 pair-dot kernels (csrc/cpu/format_decode.h
 // checks the claim). nf4's values have up to 11 significant bits: its bf16
 // activations take the fp32 path.
 inline constexpr bool values_exact_in_bf16(WeightFormat f) { return f != kNf4; }
