@@ -408,7 +408,7 @@ def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report,
                         prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
                         rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER, weighting: str = WEIGHTING) -> None:
     """quantize_model(model, bits=...): the grid at an average of `bits` per weight over `targets`."""
-    from .gptq import output_error
+    from .calibration import output_error
     from .linear import MarlinLinear, is_conv1d, linear_weight
 
     if method not in ("mse", "rtn", "gptq"):
