@@ -7,7 +7,6 @@ from typing import Optional, Type
 import torch
 from torch import nn
 
-from . import formats
 from .float_linear import is_conv1d, linear_weight
 from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes

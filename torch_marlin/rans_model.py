@@ -72,7 +72,7 @@ def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report,
 
     if method != "gptq":
         for name, linear in targets.items():
-            model.set_submodule(name, replace(name, linear, fit_layer(p, name, _rtn(p, name))))
+            model.set_submodule(name, replace(name, linear, fit_layer(p, name, _rtn(p, name), refit_steps=True)))
         return
 
     start = time.perf_counter()
@@ -88,7 +88,7 @@ def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report,
         return replace(name, linear, coded)
 
     def quantize_unreached(name, linear):
-        return replace(name, linear, fit_layer(p, name, _rtn(p, name)))
+        return replace(name, linear, fit_layer(p, name, _rtn(p, name), refit_steps=True))
 
     report.method_name = "GPTQ on the grid"
     stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)

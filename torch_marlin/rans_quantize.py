@@ -14,7 +14,9 @@ through its Hessian), R_l its size in bits. For a given lambda a layer's step fo
 from the high-rate slope of a uniform quantizer (dD/dR = -2 ln2 D) and is refined over
 a few multipliers; rounding is rate-aware: a weight moves to the neighbouring grid point
 when (w - q step)^2 / ||W||^2 + lambda * bits(q) is smaller there, bits(q) = -log2 of the
-symbol's coded probability (two passes: the table of the previous pass).
+symbol's coded probability (two passes: the table of the previous pass). Round to
+nearest then refits each row's step to its codes by least squares and rounds again
+(REFIT_STEPS times).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
-from torch import nn
 
 from . import rans
 from .layouts.rans import GRID, RansQuantizedWeight
@@ -33,6 +34,7 @@ from .layouts.rans import GRID, RansQuantizedWeight
 MAX_Q = 127  # |q| bound of the quantizers (symbols 1..255)
 STEP_MULTIPLIERS = (0.85, 1.0, 1.15)  # around the high-rate step of a lambda
 RDO_PASSES = 2
+REFIT_STEPS = 3  # round-to-nearest rounds again after refitting the steps: docs/ENTROPY.md
 ROW_POWER = 1.0  # step of row n ~ rms(row)^ROW_POWER: measured in docs/ENTROPY.md
 RATE_AWARE = False  # rate-aware rounding by default: measured in docs/ENTROPY.md
 WEIGHTING = "weight"
@@ -305,28 +307,51 @@ def plan(weights: Dict[str, torch.Tensor], bits: float, prob_bits: int = rans.DE
     return _Plan(lam, layers, planned, budget, prob_bits, rate_aware, row_power)
 
 
-def fit_layer(p: _Plan, name: str, quantize) -> RansQuantizedWeight:
+def least_squares_steps(w: torch.Tensor, q: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """fp16 step of each row minimising ||w_n - q_n step_n|| for its codes (the grid's cells
+    have their centroids inside, nearer 0); `steps` where a row has no code but 0."""
+    qf = q.float()
+    fit = (w * qf).sum(1) / (qf * qf).sum(1).clamp_min(1)
+    return torch.where((qf != 0).any(1), fit, steps.float()).clamp(2.0 ** -14, 65504.0).half()
+
+
+def fit_layer(p: _Plan, name: str, quantize, refit_steps: bool = False) -> RansQuantizedWeight:
     """quantize(step, lam, bits_table) -> int16 q [N, K], at the plan's step, then at coarser
-    steps until the coded layer fits its share of the budget; records it in the plan."""
+    steps until the coded layer fits its share of the budget; records it in the plan.
+    refit_steps (round to nearest): REFIT_STEPS times the rows' steps refitted by least
+    squares to their codes and the weights rounded again on them."""
     layer = p.layers[name]
     target = p.target_bits(name)
     lam = p.lam / layer.importance
-    step = layer.choice[p.lam]
-    for attempt in range(40):
-        steps = row_steps(layer.weight, step, p.row_power)
-        table = quantize_grid(layer.weight, step, lam, p.prob_bits, p.rate_aware, p.row_power).bits_table
-        q = quantize(steps, lam, table if p.rate_aware else None)
-        deq = q.float() * steps.float().unsqueeze(1)
-        result = GridResult(q, steps, float((layer.weight - deq).pow(2).sum()) / max(layer.norm2, _TINY), 0.0, table)
-        coded = encode_grid(result, layer.chunk_k, p.prob_bits)
-        bits = 8 * coded.nbytes
-        if bits <= target:
-            coded.relative_error = math.sqrt(result.distortion)
-            p.done(name, coded)
-            return coded
-        # One bit per weight less per doubling of the step (high-rate slope); then 5% more.
-        step *= 2.0 ** ((bits - target) / layer.num_weights) * 1.05 ** (attempt >= 3)
-    raise RuntimeError(f"{name}: could not fit the grid into {target / layer.num_weights:.3f} bits per weight")
+
+    def fit(refits):
+        step = layer.choice[p.lam]
+        for attempt in range(40):
+            steps = row_steps(layer.weight, step, p.row_power)
+            table = quantize_grid(layer.weight, step, lam, p.prob_bits, p.rate_aware, p.row_power).bits_table
+            q = quantize(steps, lam, table if p.rate_aware else None)
+            for _ in range(refits):
+                steps = least_squares_steps(layer.weight, q, steps)
+                q = quantize(steps, lam, table if p.rate_aware else None)
+            deq = q.float() * steps.float().unsqueeze(1)
+            distortion = float((layer.weight - deq).pow(2).sum()) / max(layer.norm2, _TINY)
+            coded = encode_grid(GridResult(q, steps, distortion, 0.0, table), layer.chunk_k, p.prob_bits)
+            bits = 8 * coded.nbytes
+            if bits <= target:
+                coded.relative_error = math.sqrt(distortion)
+                return coded
+            # One bit per weight less per doubling of the step (high-rate slope); then 5% more.
+            step *= 2.0 ** ((bits - target) / layer.num_weights) * 1.05 ** (attempt >= 3)
+        raise RuntimeError(f"{name}: could not fit the grid into {target / layer.num_weights:.3f} bits per weight")
+
+    coded = fit(0)
+    if refit_steps:
+        # Refitted steps are finer, so the search above lands on a coarser base step; on a
+        # tight budget that can cost more than the refit gains: keep the closer of the two.
+        refitted = fit(REFIT_STEPS)
+        coded = refitted if refitted.relative_error <= coded.relative_error else coded
+    p.done(name, coded)
+    return coded
 
 
 def _rtn(p: _Plan, name: str):
@@ -349,6 +374,6 @@ def grid_weight(weight: torch.Tensor, bits: float, method: str = "rtn", hessian:
         raise ValueError("method='gptq' and hessian=H (mean(x x^T) of the layer's inputs) go together")
     p = plan({"layer": weight}, bits, prob_bits, chunk_k)
     if hessian is None:
-        return fit_layer(p, "layer", _rtn(p, "layer"))
+        return fit_layer(p, "layer", _rtn(p, "layer"), refit_steps=True)
     return fit_layer(p, "layer", lambda steps, lam, table: gptq_grid(
         weight, hessian, steps, lam, table, act_order, damp, block_size))
