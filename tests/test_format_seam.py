@@ -72,6 +72,8 @@ _NAMES_ONE_FORMAT = {
     "tests/metal/kernels/fused_b_variants.metal",  # fp4 variants of the fused GEMM's B loads
     "tests/test_shared_constants.py",  # probes has_zeros(kUint4)
     "tests/test_format_seam.py",  # adds a format to a copy
+    "metal/rans.metal",  # rans_decode_s16 decodes symbols only: any 16-code format's instance serves
+    "metal/rans_decode.h",  # the grid takes int4's group params (scale as is, no zeros)
 }
 
 
