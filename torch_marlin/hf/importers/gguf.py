@@ -180,7 +180,7 @@ class GGUFCheckpoint:
         transformers = import_transformers("converting a GGUF file")
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-        from ..layout import build_meta_model
+        from ..model_layers import build_meta_model
 
         self.path = path
         self.metadata, tensors = read_tensor_table(path)
