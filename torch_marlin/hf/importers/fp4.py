@@ -31,6 +31,15 @@ from .base import ConvertedLayer, Importer, LayerPlan, unpack_uint8_pairs
 E8M0_NAN = 255
 
 
+def e8m0_scales(exponents: torch.Tensor, where: str) -> torch.Tensor:
+    """E8M0 exponents -> float64 scales 2^(e - 127); the NaN code (255) is refused.
+    `where` names the layer and the tensor in the error."""
+    exponents = exponents.to(torch.int32)
+    if (exponents == E8M0_NAN).any():
+        raise UnsupportedQuantization(f"{where}: E8M0 scale 255 (NaN)")
+    return torch.pow(2.0, (exponents - 127).to(torch.float64))
+
+
 def fp4_layer(codes_nk: torch.Tensor, scales_ng: torch.Tensor, group_size: int) -> QuantizedWeight:
     """codes [N, K] uint8 E2M1 and fp16 scales [N, K/group] -> QuantizedWeight."""
     n, k = codes_nk.shape
@@ -93,10 +102,8 @@ class MXFP4Source(Importer):
             raise CheckpointError(f"{plan.keys[0]}: expected [N, K/2] with K a multiple of 32, "
                                   f"got {list(packed.shape)}")
         rows, groups = tuple(packed.shape[:-1]), packed.shape[-1] // 16  # rows: [N] or [E, N]
-        exponents = self.require(plan.keys[1], torch.uint8, (*rows, groups)).to(torch.int32)
-        if (exponents == E8M0_NAN).any():
-            raise UnsupportedQuantization(f"{module}: E8M0 scale 255 (NaN) in {plan.keys[1]}")
-        scales = self.to_fp16_scales(torch.pow(2.0, (exponents - 127).to(torch.float64)), module)
+        exponents = self.require(plan.keys[1], torch.uint8, (*rows, groups))
+        scales = self.to_fp16_scales(e8m0_scales(exponents, f"{module} ({plan.keys[1]})"), module)
         codes = unpack_uint8_pairs(packed)
         if len(rows) == 1:
             return ConvertedLayer(fp4_layer(codes, scales, 32))

@@ -43,6 +43,7 @@ import torch
 from ...layouts import QuantizedWeight
 from ..errors import CheckpointError, MissingDependency, UnsupportedQuantization, import_transformers
 from .base import ConvertedLayer, LayerPlan
+from .fp4 import e8m0_scales
 from .reencode import ReencodingImporter, TensorView
 
 _INSTALL = "pip install gguf"
@@ -400,11 +401,8 @@ class GGUFSource(ReencodingImporter):
         elif kind == "Q4_1":
             codes, scales, zeros = _halves(blocks[..., 4:]), _fp16(blocks[..., :2]), _fp16(blocks[..., 2:4])
         elif kind == "MXFP4":
-            e = blocks[..., 0].to(torch.int32)
-            if (e == 255).any():
-                raise UnsupportedQuantization(f"{key}: E8M0 scale 255 (NaN) in GGUF MXFP4")
             codes, zeros = _halves(blocks[..., 1:]), None
-            scales = self.to_fp16_scales(torch.pow(2.0, (e - 127).to(torch.float64)), module)
+            scales = self.to_fp16_scales(e8m0_scales(blocks[..., 0], f"{key} (GGUF MXFP4)"), module)
             exact = not (self.notes and self.notes[-1].startswith(f"{module}:"))
         else:  # Q4_K
             d, dmin = _fp16(blocks[..., 0:2]).float(), _fp16(blocks[..., 2:4]).float()

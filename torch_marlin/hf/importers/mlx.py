@@ -29,6 +29,7 @@ from ... import formats
 from ...layouts import QuantizedWeight
 from ..errors import CheckpointError, UnsupportedQuantization
 from .base import ConvertedLayer, LayerPlan
+from .fp4 import e8m0_scales
 from .reencode import ReencodingImporter, TensorView
 
 MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
@@ -58,11 +59,6 @@ def unpack_bits(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     stream = ((raw.unsqueeze(-1) >> torch.arange(8, dtype=torch.int64)) & 1).reshape(n, -1)
     stream = stream[:, : count * bits].reshape(n, count, bits)
     return (stream << torch.arange(bits, dtype=torch.int64)).sum(-1)
-
-
-def e8m0_scales(exponents: torch.Tensor) -> torch.Tensor:
-    """2^(e - 127) in float32 (E8M0; 255 is NaN)."""
-    return torch.pow(2.0, exponents.to(torch.float32) - 127).masked_fill(exponents == 255, float("nan"))
 
 
 @dataclass
@@ -219,7 +215,7 @@ class MLXSource(ReencodingImporter):
         """float32 scales [N, K / group] of an mxfp4, nvfp4 or mxfp8 layer, as MLX computes them."""
         raw = self.require(f"{module}.scales", torch.uint8, (n, k // params["group_size"]))
         if params["mode"] != "nvfp4":
-            scales = e8m0_scales(raw)
+            scales = e8m0_scales(raw, f"{module}.scales").float()  # exact: 2^-127 is a float32 subnormal
         else:
             scales = raw.view(torch.float8_e4m3fn).to(torch.float32)
             if f"{module}.global_scale" in self.source:
@@ -228,7 +224,7 @@ class MLXSource(ReencodingImporter):
                     raise CheckpointError(f"{module}.global_scale must hold one value, got {g.numel()}")
                 scales = scales * (g[0] / NVFP4_SCALE_DIVISOR)
         if not torch.isfinite(scales).all():
-            raise UnsupportedQuantization(f"{module}.scales: NaN scale (E8M0 255 or E4M3 NaN)")
+            raise UnsupportedQuantization(f"{module}.scales: NaN scale (E4M3 NaN)")
         return scales
 
     def dequantize(self, module: str) -> torch.Tensor:
