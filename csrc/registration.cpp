@@ -51,11 +51,14 @@ PyObject* shared_constants() {
 }
 
 // An op with Metal kernels also gets `_metal_plan_<name>`: the same arguments,
-// returning the dispatch plan as JSON (torch_marlin.testing.run_metal).
+// returning the dispatch plan as JSON (torch_marlin.testing.run_metal); a
+// `checked` one (its plan has a status output) `_metal_check_<name>`: the
+// status, then the same arguments; raises if the status says bad input.
 void def_metal_op(torch::Library& m, const std::string& name, const std::string& arguments,
-                  const std::string& returns) {
+                  const std::string& returns, bool checked = false) {
   m.def((name + arguments + " -> " + returns).c_str());
   m.def(("_metal_plan_" + name + arguments + " -> str").c_str());
+  if (checked) m.def(("_metal_check_" + name + "(Tensor status, " + arguments.substr(1) + " -> ()").c_str());
 }
 
 }  // namespace
@@ -108,13 +111,14 @@ TORCH_LIBRARY(marlin, m) {
                "Tensor");
   // Entropy-coded layout (docs/FORMAT.md, issue 23): rANS streams of 32 lanes per
   // column block and chunk_k rows per chunk. rans_decode gives the symbols uint8
-  // [K, N]; rans_gemm decodes fused into the matmul (the weight is never stored):
+  // [K, N] (a corrupt stream raises, on MPS too); rans_gemm decodes fused into the
+  // matmul (the weight is never stored; on MPS a corrupt chunk's outputs are NaN):
   // weight_format is a value format (lossless: the dense op's result for the same
   // codes, scales, zeros) or "grid" (value (s - 128) * scales[0, n]).
   def_metal_op(m, "rans_decode",
                "(Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, int K, int N, int chunk_k, "
                "int prob_bits)",
-               "Tensor");
+               "Tensor", /*checked=*/true);
   def_metal_op(m, "rans_gemm",
                "(Tensor x, Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, Tensor scales, "
                "Tensor? zeros, Tensor? bias, str weight_format, int K, int chunk_k, int prob_bits, int group_size)",

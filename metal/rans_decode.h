@@ -17,8 +17,10 @@
 //
 // Bad input cannot raise in a kernel: a chunk whose offsets are out of range,
 // whose lanes do not all end in state 2^16 or whose words are not exactly
-// consumed is "bad" (RansChunk::finish), and the kernels write NaN (the decode
-// kernel 0xFF) to all its outputs. Reads stay inside
+// consumed is "bad" (RansChunk::finish): the GEMV and GEMM write NaN to all
+// its outputs, the decode kernel flags it in its status output (no uint8
+// symbol is outside every alphabet: the grid uses 1..255) and the op raises
+// (csrc/core/metal_plan_rans.cpp). Reads stay inside
 // [word_offsets[chunk], word_offsets[chunk + 1]) and inside every buffer
 // whatever the data (a refill past the chunk's words reads nothing).
 #pragma once
@@ -171,22 +173,23 @@ inline RansChunkPos rans_chunk_pos(uint chunk, uint K, uint chunk_k) {
   return p;
 }
 
-// Decode kernel: symbols [K, N] (uint8). Threadgroup g holds chunks
+// Decode kernel: symbols [K, N] (uint8) and status [chunks] (1 for a bad
+// chunk, whose symbols are garbage, else 0). Threadgroup g holds chunks
 // rans::kChunkSimdgroups g .. + rans::kChunkSimdgroups - 1, round-robin over the
-// simdgroups it gets (the bridge may launch fewer). A bad chunk's symbols are
-// all 0xFF (outside a 16-symbol alphabet; the op cannot write NaN into uint8).
+// simdgroups it gets (the bridge may launch fewer).
 template <typename V>
 [[kernel]] void rans_decode(const device ushort* words [[buffer(0)]],
                             const device int* word_offsets [[buffer(1)]],
                             const device uint* states [[buffer(2)]],
                             const device ushort* freqs [[buffer(3)]],
                             device uchar* out [[buffer(4)]],
-                            constant uint& N [[buffer(5)]],
-                            constant uint& K [[buffer(6)]],
-                            constant uint& chunk_k [[buffer(7)]],
-                            constant uint& prob_bits [[buffer(8)]],
-                            constant uint& n_words [[buffer(9)]],
-                            constant uint& n_chunks [[buffer(10)]],
+                            device uint* status [[buffer(5)]],
+                            constant uint& N [[buffer(6)]],
+                            constant uint& K [[buffer(7)]],
+                            constant uint& chunk_k [[buffer(8)]],
+                            constant uint& prob_bits [[buffer(9)]],
+                            constant uint& n_words [[buffer(10)]],
+                            constant uint& n_chunks [[buffer(11)]],
                             threadgroup RansEntry* table_mem [[threadgroup(0)]],
                             uint3 tgid [[threadgroup_position_in_grid]],
                             uint tid [[thread_index_in_threadgroup]],
@@ -205,9 +208,7 @@ template <typename V>
       const uint s = dec.next(table, e);
       if (n < N) *o = uchar(s);
     }
-    if (dec.finish() && n < N) {
-      o = out + ulong(pos.k0) * N + n;
-      for (uint t = 0; t < pos.len; ++t, o += N) *o = uchar(0xFF);
-    }
+    const bool bad = dec.finish();
+    if (lane == 0) status[chunk] = bad ? 1u : 0u;
   }
 }

@@ -191,6 +191,11 @@ std::string to_json(const Plan& p) {
   write_buffers(o, "workspaces", p.workspaces);
   o << ",\"result_shape\":";
   write_shape(o, p.result_shape);
+  o << ",\"status_output\":";
+  if (p.status_output < 0)
+    o << "null";
+  else
+    o << "\"" << p.outputs.at(p.status_output).name << "\"";
   o << ",\"launches\":[";
   for (size_t i = 0; i < p.launches.size(); ++i) {
     const Launch& l = p.launches[i];

@@ -79,6 +79,10 @@ struct Plan {
   std::vector<Buffer> workspaces;
   std::vector<Launch> launches;        // in order, on one command encoder
   std::string details;                 // JSON object members describing the problem (tests, benchmarks)
+  // outputs[status_output] (-1: none): a status the kernels write for what they
+  // cannot raise (a corrupt stream); after the launches the op waits for the
+  // GPU and its check (MARLIN_REGISTER_CHECKED_METAL_OP) raises if it is bad.
+  int status_output = -1;
 };
 
 // marlin_aligned: rows of packed words (N % 4 == 0), scales, zeros and x may
@@ -191,15 +195,28 @@ template <auto Planner>
 struct Registered;
 
 // Planner: Plan (Args...) with the op's arguments. `json` implements
-// _metal_plan_<op>; `mps` implements the op on the MPS device.
+// _metal_plan_<op>; `mps` implements the op on the MPS device, `checked_mps`
+// an op whose plan has a status output: Check(status, args...) raises if the
+// kernels reported bad input (it reads the status: the op waits for the GPU).
 template <typename... Args, Plan (*Planner)(Args...)>
 struct Registered<Planner> {
   static std::string json(Args... args) { return to_json(Planner(args...)); }
-  static at::Tensor mps(Args... args) {
-    const Plan plan = Planner(args...);
+  static std::vector<at::Tensor> run(const Plan& plan, Args... args) {
     std::vector<at::Tensor> tensors;
     (collect(tensors, args), ...);
-    return mps::run_plan(plan, tensors)[0];
+    return mps::run_plan(plan, tensors);
+  }
+  static at::Tensor mps(Args... args) {
+    const Plan plan = Planner(args...);
+    TORCH_CHECK(plan.status_output < 0, "internal error: ", plan.op, "'s plan has a status output but no check");
+    return run(plan, args...)[0];
+  }
+  template <void (*Check)(const at::Tensor&, Args...)>
+  static at::Tensor checked_mps(Args... args) {
+    const Plan plan = Planner(args...);
+    const std::vector<at::Tensor> outputs = run(plan, args...);
+    if (plan.status_output >= 0) Check(outputs.at(plan.status_output), args...);
+    return outputs[0];
   }
 };
 
@@ -214,4 +231,16 @@ struct Registered<Planner> {
   }                                                                                        \
   TORCH_LIBRARY_IMPL(marlin, MPS, m) {                                                     \
     m.impl(#op, &::marlin::metal::detail::Registered<&planner>::mps);                     \
+  }
+
+// An op whose plan has a status output (def_metal_op(..., checked = true)):
+// check(status, op args...) also implements `_metal_check_<op>`, which the
+// emulator runner (torch_marlin.testing.run_metal) calls after the launches.
+#define MARLIN_REGISTER_CHECKED_METAL_OP(op, planner, check)                                           \
+  TORCH_LIBRARY_IMPL(marlin, CompositeExplicitAutograd, m) {                                           \
+    m.impl("_metal_plan_" #op, &::marlin::metal::detail::Registered<&planner>::json);                \
+    m.impl("_metal_check_" #op, &check);                                                               \
+  }                                                                                                    \
+  TORCH_LIBRARY_IMPL(marlin, MPS, m) {                                                                 \
+    m.impl(#op, &::marlin::metal::detail::Registered<&planner>::template checked_mps<&check>);       \
   }

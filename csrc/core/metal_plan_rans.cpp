@@ -1,8 +1,11 @@
 // Metal dispatch of the entropy-coded layout (rans_gemm, rans_decode): which
 // kernels of metal/rans.metal to launch, how (docs/KERNELS.md, "Entropy-coded
 // layout"). Argument checks are the CPU ops' (core/rans_checks.h); the stream
-// contents are not read here (they live on the GPU): the kernels turn a bad
-// chunk into NaN outputs instead. K chunks (GEMV) and K slices of whole chunks
+// contents are not read here (they live on the GPU): rans_gemm's kernels turn
+// a bad chunk into NaN outputs instead, and rans_decode's flag it in a status
+// output that check_rans_decode turns into the CPU op's error after the
+// decode (no uint8 symbol could mark it: the grid's alphabet is 1..255, the
+// lossless formats' 0..15). K chunks (GEMV) and K slices of whole chunks
 // (GEMM) are summed in order by marlin_reduce, as the dense GEMMs' K split.
 #include <torch/library.h>
 
@@ -125,23 +128,42 @@ Plan plan_rans_decode(const at::Tensor& words, const at::Tensor& word_offsets, c
   u32(s.k * s.n, "K * N");
   Plan p;
   p.op = "rans_decode";
-  p.outputs = {{"out", {s.k, s.n}, at::kByte}};
+  p.outputs = {{"out", {s.k, s.n}, at::kByte}, {"status", {s.chunks}, at::kInt}};  // status: 1 = bad chunk
+  p.status_output = 1;
   p.result_shape = {s.k, s.n};
   p.details = rans_details(0, s, 1, "u8", s.symbols == kRansGridSymbols ? "s256" : "s16", 0);
   Launch l = chunk_launch("rans_decode_s", std::to_string(s.symbols), s);
-  l.bindings = {arg(0, kDecodeWords),           arg(1, kDecodeOffsets),        arg(2, kDecodeStates),
-                arg(3, kDecodeFreqs),           output(4),                     scalar(5, s.n, "N"),
-                scalar(6, s.k, "K"),            scalar(7, s.chunk_k, "chunk_k"), scalar(8, s.prob_bits, "prob_bits"),
-                scalar(9, words.numel(), "words.numel()"), scalar(10, s.chunks, "chunks")};
+  l.bindings = {arg(0, kDecodeWords),   arg(1, kDecodeOffsets),          arg(2, kDecodeStates),
+                arg(3, kDecodeFreqs),   output(4),                       output(5, 1),
+                scalar(6, s.n, "N"),    scalar(7, s.k, "K"),             scalar(8, s.chunk_k, "chunk_k"),
+                scalar(9, s.prob_bits, "prob_bits"), scalar(10, words.numel(), "words.numel()"),
+                scalar(11, s.chunks, "chunks")};
   check_launch(l);
   p.launches.push_back(std::move(l));
   return p;
 }
 
+// After the decode (reading `status` waits for it): the CPU op's checks of the
+// contents (small tensors, copied), then, if the kernel flagged a chunk, the
+// CPU op's error naming the first bad chunk and why (the words are copied
+// only then). A corrupt stream raises on every device, whatever the format.
+void check_rans_decode(const at::Tensor& status, const at::Tensor& words, const at::Tensor& word_offsets,
+                       const at::Tensor& states, const at::Tensor& freqs, int64_t K, int64_t N, int64_t chunk_k,
+                       int64_t prob_bits) {
+  const RansShape s = check_rans_streams(words, word_offsets, states, freqs, K, N, chunk_k, prob_bits);
+  TORCH_CHECK(status.scalar_type() == at::kInt && status.numel() == s.chunks,
+              "internal error: rans_decode's status must be int32 [chunks]");
+  check_rans_contents(words, word_offsets, states, freqs, s);
+  const at::Tensor flags = status.cpu().contiguous();
+  const int32_t* f = flags.data_ptr<int32_t>();
+  if (std::any_of(f, f + s.chunks, [](int32_t v) { return v != 0; }))
+    throw_bad_rans_chunk(words, word_offsets, states, freqs, s);
+}
+
 }  // namespace
 
 MARLIN_REGISTER_METAL_OP(rans_gemm, plan_rans_gemm)
-MARLIN_REGISTER_METAL_OP(rans_decode, plan_rans_decode)
+MARLIN_REGISTER_CHECKED_METAL_OP(rans_decode, plan_rans_decode, check_rans_decode)
 
 }  // namespace metal
 }  // namespace marlin

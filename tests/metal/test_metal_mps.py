@@ -107,3 +107,20 @@ def test_sparse24_on_device(fmt, dtype, m):
                                                    group_size, dtype).cpu()
         ref_deq = torch.ops.marlin.sparse24_dequantize(values, metadata, scales, zeros, fmt, group_size, dtype)
         assert rel_err(deq, ref_deq) <= (2.0 ** -10 if has_zeros(fmt) else 0.0)
+
+
+@pytest.mark.parametrize("fmt", ("grid", "fp4"))
+def test_rans_decode_on_device(fmt):
+    from test_metal_rans import CHUNK_BAD, K_BAD, N_BAD, _bad_chunk_cases, make_coded
+
+    gen = torch.Generator().manual_seed(8)
+    stream, sym = make_coded(fmt, K_BAD, N_BAD, CHUNK_BAD, 12, K_BAD if fmt == "grid" else 32, gen)[:2]
+    args = (stream.words, stream.word_offsets, stream.states, stream.freqs, K_BAD, N_BAD, CHUNK_BAD, 12)
+    assert torch.equal(torch.ops.marlin.rans_decode(*map(_to, args[:4]), *args[4:]).cpu().long(), sym)
+    for name, words, offsets, _ in _bad_chunk_cases(stream):  # a bad chunk raises the CPU op's error
+        bad = (words, offsets, *args[2:])
+        with pytest.raises(ValueError) as cpu:
+            torch.ops.marlin.rans_decode(*bad)
+        with pytest.raises(ValueError) as mps:
+            torch.ops.marlin.rans_decode(*map(_to, bad[:4]), *bad[4:])
+        assert str(mps.value) == str(cpu.value), name

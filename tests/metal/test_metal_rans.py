@@ -1,8 +1,10 @@
 """The entropy-coded ("rans") Metal kernels (lockstep decode, fused decode + GEMV,
 decode-once-per-tile GEMM with K split) on the emulator through the real dispatch
 plan, against a float64 dequantize-then-matmul of the reference codec's symbols;
-corrupted streams give NaN for the bad chunk's outputs and nothing else, and no
-access outside the buffers (the emulator checks every device access). Race
+corrupted streams give NaN for the bad chunk's outputs and nothing else (GEMV,
+GEMM) or the CPU op's error (decode, whose status output flags exactly the bad
+chunks), and no access outside the buffers (the emulator checks every device
+access). Race
 detection and the strict compile check are on (the emulator's defaults).
 Shapes are small: every decode step is two simdgroup rendezvous on the emulator."""
 
@@ -14,7 +16,7 @@ import torch
 import torch_marlin.ops  # noqa: F401
 from torch_marlin import rans
 from torch_marlin.layouts.rans import dense_from_symbols
-from torch_marlin.testing.metal import metal_plan, run_metal_with_stats
+from torch_marlin.testing.metal import metal_plan, run_metal_outputs, run_metal_with_stats
 
 from metal_helpers import DTYPES, FORMATS, GEMM_TOL, SEEDS, has_zeros, rel_err
 
@@ -191,21 +193,15 @@ def _chunk_mask(chunks, k, n, chunk_k, kchunks):
     return mask
 
 
-@pytest.mark.parametrize("m", (0, 1, 12))  # 0: the decode op
+@pytest.mark.parametrize("m", (1, 12))
 def test_corrupted_streams_give_nan_for_the_bad_chunk(m):
     gen = torch.Generator().manual_seed(7)
     stream, sym, scales, _, weight = make_coded("int4", K_BAD, N_BAD, CHUNK_BAD, 12, 32, gen)
     kchunks = K_BAD // CHUNK_BAD
-    x = torch.randn(max(m, 1), K_BAD, generator=gen).half()
+    x = torch.randn(m, K_BAD, generator=gen).half()
     good = x.double() @ weight
     for name, words, offsets, bad in _bad_chunk_cases(stream):
         mask = _chunk_mask(bad, K_BAD, N_BAD, CHUNK_BAD, kchunks)
-        if m == 0:
-            out = run_metal_with_stats("rans_decode", words, offsets, stream.states, stream.freqs, K_BAD, N_BAD,
-                                       CHUNK_BAD, 12)[0]
-            assert (out[mask] == 0xFF).all(), name
-            assert torch.equal(out[~mask].long(), sym[~mask]), name
-            continue
         corrupt = dataclasses.replace(stream, words=words, word_offsets=offsets)
         out = run_metal_with_stats("rans_gemm", *gemm_args(x, corrupt, scales, None, None, "int4", K_BAD, CHUNK_BAD,
                                                             12, 32))[0]
@@ -215,6 +211,49 @@ def test_corrupted_streams_give_nan_for_the_bad_chunk(m):
         assert torch.isnan(out[:, bad_columns]).all(), name
         assert not torch.isnan(out[:, ~bad_columns]).any(), name
         assert rel_err(out[:, ~bad_columns], good[:, ~bad_columns]) <= GEMM_TOL[torch.float16], name
+
+
+def test_decode_status_flags_exactly_the_bad_chunks():
+    gen = torch.Generator().manual_seed(7)
+    stream, sym = make_coded("int4", K_BAD, N_BAD, CHUNK_BAD, 12, 32, gen)[:2]
+    for name, words, offsets, bad in _bad_chunk_cases(stream):
+        outputs, plan, _ = run_metal_outputs("rans_decode", words, offsets, stream.states, stream.freqs, K_BAD,
+                                             N_BAD, CHUNK_BAD, 12)
+        assert plan["status_output"] == "status", plan
+        assert outputs["status"].tolist() == [int(c in bad) for c in range(9)], name
+        mask = _chunk_mask(bad, K_BAD, N_BAD, CHUNK_BAD, K_BAD // CHUNK_BAD)
+        assert torch.equal(outputs["out"][~mask].long(), sym[~mask]), name  # the good chunks are decoded
+
+
+def _truncated_chunk(stream, chunk):
+    """The stream without the last word of `chunk` (the later offsets follow): only that chunk is bad."""
+    w, o = stream.words, stream.word_offsets
+    cut = int(o[chunk + 1]) - 1
+    offsets = o.clone()
+    offsets[chunk + 1:] -= 1
+    return torch.cat([w[:cut], w[cut + 1:]]), offsets
+
+
+@pytest.mark.parametrize("fmt", ("grid", "fp4"))
+def test_corrupted_stream_decode_raises_the_cpu_error(fmt):
+    """A bad chunk never decodes to symbols on the Metal path: no uint8 value is
+    outside every alphabet (0xFF is the grid's q = +127), so the op raises the
+    CPU op's error, naming the chunk."""
+    gen = torch.Generator().manual_seed(8)
+    stream = make_coded(fmt, K_BAD, N_BAD, CHUNK_BAD, 12, K_BAD if fmt == "grid" else 32, gen)[0]
+    cases = [(name, words, offsets, min(bad)) for name, words, offsets, bad in _bad_chunk_cases(stream)]
+    cases.append(("chunk 5 truncated", *_truncated_chunk(stream, 5), 5))
+    for name, words, offsets, first_bad in cases:
+        args = (words, offsets, stream.states, stream.freqs, K_BAD, N_BAD, CHUNK_BAD, 12)
+        with pytest.raises(ValueError) as cpu:
+            torch.ops.marlin.rans_decode(*args)
+        with pytest.raises(ValueError) as metal:
+            run_metal_with_stats("rans_decode", *args)
+        assert str(metal.value) == str(cpu.value), name
+        if "corrupted rans stream" in str(cpu.value):  # else a word_offsets error, before any chunk is decoded
+            assert f"chunk {first_bad} " in str(cpu.value), (name, str(cpu.value))
+        else:
+            assert "word_offsets" in str(cpu.value), (name, str(cpu.value))
 
 
 def test_bit_flip_is_a_bad_chunk_for_the_reference_codec_too():

@@ -6,8 +6,11 @@
 same planner the MPS op runs) which kernels to launch with which grid,
 threadgroup size, threadgroup memory, function constants and buffer bindings
 and which outputs and workspaces to allocate, runs exactly those launches on
-the MSL emulator and returns the op's result as a CPU tensor. Any op with a
-plan works, bound by its schema: nothing here is specific to one op.
+the MSL emulator and returns the op's result as a CPU tensor; if the plan
+has a status output (bad input the kernels found), the op's own check
+(`torch.ops.marlin._metal_check_<op_name>`, which the MPS op calls too)
+raises as on the GPU. Any op with a plan works, bound by its schema: nothing
+here is specific to one op.
 """
 
 from __future__ import annotations
@@ -108,11 +111,9 @@ def launch_threadgroup(launch: dict, max_threads_per_threadgroup: Optional[int] 
                                                          launch["min_threads_x"], max_threads_per_threadgroup))
 
 
-def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: int = 0,
-                         max_threads_per_threadgroup: Optional[int] = None,
-                         **kwargs) -> Tuple[torch.Tensor, dict, List[Any]]:
-    """run_metal, also returning the plan and each launch's mslsim LaunchStats."""
-    b = _bind(op_name, args, kwargs)
+def _run_plan(op_name: str, b: Dict[str, Any], schedule: str, seed: int,
+              max_threads_per_threadgroup: Optional[int]) -> Tuple[Dict[str, torch.Tensor], dict, List[Any]]:
+    """The launches of the op's plan for the bound arguments `b`: every output by name, the plan, the stats."""
     plan = metal_plan(op_name, **b)
     tensors = {}
     for name, value in b.items():
@@ -136,8 +137,29 @@ def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: in
                                 threadgroup=tuple(threadgroup), args=bind,
                                 threadgroup_memory=tg_mem, constants=consts,
                                 schedule=schedule, seed=seed))
-    out = tensors[plan["outputs"][0]["name"]]
-    return out.view(plan["result_shape"]), plan, stats
+    return {spec["name"]: tensors[spec["name"]] for spec in plan["outputs"]}, plan, stats
+
+
+def run_metal_outputs(op_name: str, *args, schedule: str = "random", seed: int = 0,
+                      max_threads_per_threadgroup: Optional[int] = None,
+                      **kwargs) -> Tuple[Dict[str, torch.Tensor], dict, List[Any]]:
+    """The launches of run_metal without the op's status check: every output
+    buffer of the plan by name (the result not viewed as result_shape), the
+    plan and each launch's mslsim LaunchStats. For tests of what the kernels
+    report (a plan's "status_output")."""
+    b = _bind(op_name, args, kwargs)
+    return _run_plan(op_name, b, schedule, seed, max_threads_per_threadgroup)
+
+
+def run_metal_with_stats(op_name: str, *args, schedule: str = "random", seed: int = 0,
+                         max_threads_per_threadgroup: Optional[int] = None,
+                         **kwargs) -> Tuple[torch.Tensor, dict, List[Any]]:
+    """run_metal, also returning the plan and each launch's mslsim LaunchStats."""
+    b = _bind(op_name, args, kwargs)
+    outputs, plan, stats = _run_plan(op_name, b, schedule, seed, max_threads_per_threadgroup)
+    if plan["status_output"] is not None:  # the kernels' report of bad input: the MPS op's check raises
+        getattr(torch.ops.marlin, f"_metal_check_{op_name}")(outputs[plan["status_output"]], **b)
+    return outputs[plan["outputs"][0]["name"]].view(plan["result_shape"]), plan, stats
 
 
 def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0,
@@ -151,4 +173,5 @@ def run_metal(op_name: str, *args, schedule: str = "random", seed: int = 0,
                                 max_threads_per_threadgroup=max_threads_per_threadgroup, **kwargs)[0]
 
 
-__all__ = ["metal_dir", "library", "metal_plan", "launch_threadgroup", "run_metal", "run_metal_with_stats"]
+__all__ = ["metal_dir", "library", "metal_plan", "launch_threadgroup", "run_metal", "run_metal_with_stats",
+           "run_metal_outputs"]
