@@ -17,7 +17,9 @@
 //   MARLIN_KERNEL_AVX512    AVX-512 F/BW/VL/DQ intrinsics, 16 lanes
 //   MARLIN_KERNEL_BF16_DOT  bf16 pair dot products: AVX512-BF16 + VBMI (with
 //                           MARLIN_KERNEL_AVX512) or Arm BF16
-//   MARLIN_KERNEL_VNNI      AVX512-VNNI (vpdpbusd) for int8 dot products
+//   MARLIN_KERNEL_VNNI      vpdpbusd for int8 dot products: AVX512-VNNI (with
+//                           MARLIN_KERNEL_AVX512), or on 256-bit registers in an
+//                           AVX2 build (AVX-VNNI, or AVX512-VNNI with AVX512-VL)
 //   MARLIN_KERNEL_DOTPROD   Arm dot product (sdot) for int8 dot products
 //   MARLIN_VECTOR_BYTES     the vector width, if not the build's register width
 #pragma once
@@ -207,12 +209,15 @@ inline vf dot_pairs(vf c, vf a, vf b) {
 // use per instruction set.
 
 // acc + sum over the 4 bytes of each lane of u * x, u unsigned below 128 (so
-// also a valid signed byte), x signed: vpdpbusd (AVX512-VNNI), vpmaddubsw +
+// also a valid signed byte), x signed: vpdpbusd (AVX512-VNNI, AVX-VNNI), vpmaddubsw +
 // vpmaddwd (AVX-512 BW, AVX2; no saturation: |u * x + u * x| < 2^15), sdot (Arm
 // dot product), or shifts and multiplies.
 inline vi dot4(vi acc, vi u, vi x) {
 #if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_VNNI
   return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
+#elif MARLIN_KERNEL_AVX2 && MARLIN_KERNEL_VNNI
+  // The builtin, not an intrinsic: VEX (avxvnni) or EVEX (avx512vnni, avx512vl) as the target allows.
+  return (vi)__builtin_ia32_vpdpbusd_v8si((__v8si)acc, (__v8si)u, (__v8si)x);
 #elif MARLIN_KERNEL_AVX512
   return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)x), _mm512_set1_epi16(1));
 #elif MARLIN_KERNEL_AVX2
