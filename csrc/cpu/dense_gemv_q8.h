@@ -41,7 +41,8 @@ struct Q8Step {
 
 // A layout of the int8-x GEMV (Q8Layout):
 //   kWordRows             weight word rows per block of x (kQ8Block K rows)
-//   kKeptSums             the offsets and zeros meet per-column sums of x (t), not X_g
+//   kKeptSums             per-column sums of x (t) meet the zeros (biases), not X_g, and
+//                         dots takes the offsets off s itself
 //   kBlockRows, kVectors<MR>  register blocks: rows x vectors
 //   Args, metadata(a)     its kernel arguments; metadata words per column, one row per block (or null)
 //   dots<F, MR, NV>(c, w, ldw, meta, s, t)  adds a block's sums of x times code bytes to s, of x to t;
@@ -86,8 +87,6 @@ inline vu q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t
     const vf dx = splat(c.dx[i * c.lddx]);
     for (int v = 0; v < NV; ++v) {
       const int64_t o = i * c.ld + col + kLanes * v;
-      // kKeptSums: the offset comes off here, exactly (|sums| below 2^24).
-      if (L::kKeptSums && !kHasZeros<F>) s[i][v] -= D::kOffset * t[i][v];
       const vf sum = __builtin_convertvector(s[i][v], vf);  // exact: below 2^24
       vf p = c.first ? sum * dx : fmadd(sum, dx, load(c.part + o)), xp = vf{};
       if (kKeptXSum) {

@@ -7,10 +7,10 @@
 // the metadata pairs with each column's codes; then the dense dot products
 // (dot4). The code bytes carry an offset (fp4: 2 x value + 12, int4: q + 8)
 // and uint4 / affine a zero point or bias per group: these meet the sum of
-// the kept x, which differs per column, so the gathered x are also summed
-// (dot4 with bytes of 1). Per block and column: s = sum of xq * u and t = sum
-// of xq over the kept positions; fp4 / int4 take s - offset * t (exact
-// integers), uint4 / affine sum dx * t per group beside dx * s.
+// the kept x, which differs per column. fp4 / int4 take the signed values
+// instead (dots below); uint4 / affine also sum the gathered x (dot4 with
+// bytes of 1): per block and column s = sum of xq * q and t = sum of xq over
+// the kept positions, and per group the sums of dx * s and dx * t.
 #pragma once
 #include "cpu/cpu_vec.h"
 #include "cpu/dense_gemv_q8.h"
@@ -40,34 +40,52 @@ struct Sparse24Q8 {
   static inline vi lo_index(vi h) { return (h & 0x0303) | ((h << 14) & 0x03030000) | 0x08000800; }
   static inline vi hi_index(vi h) { return ((h >> 4) & 0x0303) | ((h << 10) & 0x03030000) | 0x0C040C04; }
 
+  // fp4 / int4 (no zeros): the signed code values (u - offset) meet x + 128
+  // (unsigned; x's bytes with the top bit flipped), and 128 times the column's
+  // kept values comes off per block: no sums of the kept x. sdot takes x as it is.
   template <int F, int MR, int NV>
   static inline vu dots(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t* meta, vi (&s)[MR][NV],
                         vi (&t)[MR][NV]) {
-    const vi ones = splat_i(0x01010101);
-    vi m[NV];
+    constexpr bool kSigned = !kHasZeros<F>, kBiased = kSigned && !kDot4Symmetric;
+    const vi ones = splat_i(0x01010101), offset = splat_i(Q8Decode<F>::kOffset * 0x01010101);
+    vi m[NV], value_sums[NV];
     vu bad = {};
     for (int v = 0; v < NV; ++v) {
       m[v] = load(meta + kLanes * v);
       bad |= metadata_invalid(m[v]);
+      value_sums[v] = vi{};
     }
 #pragma GCC unroll 2
     for (int r = 0; r < kWordRows; ++r) {
       vi lo[NV], hi[NV], lo_idx[NV], hi_idx[NV];
       for (int v = 0; v < NV; ++v) {
         q8_code_bytes<F>(load(w + r * ldw + kLanes * v), lo[v], hi[v]);
+        if (kSigned) {
+          lo[v] = sub_bytes(lo[v], offset);
+          hi[v] = sub_bytes(hi[v], offset);
+          if (kBiased) value_sums[v] = dot4(dot4(value_sums[v], ones, lo[v]), ones, hi[v]);
+        }
         const vi h = (vi)((vu)m[v] >> (16 * r));
         lo_idx[v] = lo_index(h);
         hi_idx[v] = hi_index(h);
       }
       for (int i = 0; i < MR; ++i) {
-        const uint8_t* x = reinterpret_cast<const uint8_t*>(c.x + i * c.ldx) + 16 * r;
+        vi x = byte_table(reinterpret_cast<const uint8_t*>(c.x + i * c.ldx) + 16 * r);
+        if (kBiased) x ^= splat_i(int32_t(0x80808080u));
         for (int v = 0; v < NV; ++v) {
           const vi x_lo = lookup_bytes(lo_idx[v], x), x_hi = lookup_bytes(hi_idx[v], x);
-          s[i][v] = dot4(dot4(s[i][v], lo[v], x_lo), hi[v], x_hi);
-          t[i][v] = dot4(dot4(t[i][v], ones, x_lo), ones, x_hi);
+          if (kSigned) {
+            s[i][v] = dot4(dot4(s[i][v], x_lo, lo[v]), x_hi, hi[v]);
+          } else {
+            s[i][v] = dot4(dot4(s[i][v], lo[v], x_lo), hi[v], x_hi);
+            t[i][v] = dot4(dot4(t[i][v], ones, x_lo), ones, x_hi);
+          }
         }
       }
     }
+    if (kBiased)
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) s[i][v] -= value_sums[v] << 7;
     return bad;
   }
 };
