@@ -28,7 +28,9 @@ struct Sparse24Q8 {
   static constexpr bool kKeptSums = true;
   static constexpr int kBlockRows = MARLIN_KERNEL_AVX512 ? 4 : 2;
   template <int MR>
-  static constexpr int kVectors = MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2 ? (MR <= 1 ? 2 : 1) : 1;
+  static constexpr int kVectors = MARLIN_KERNEL_AVX512 ? (MR <= 1 ? 4 : MR <= 2 ? 2 : 1)
+                                  : MARLIN_KERNEL_AVX2 ? (MR <= 1 ? 2 : 1)
+                                                       : 1;
   typedef Sparse24Args Args;
   static const int32_t* metadata(const Args& a) { return a.metadata; }
 
