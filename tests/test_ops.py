@@ -194,7 +194,8 @@ REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and
                    "test_every_fp4_code_through_the_op", "test_selected_kernel_build_is_reported",
                    "test_gemv_one_row_wide_ranges", "test_every_nibble_is_checked",
                    "test_gemm_large_k_batch_dims_and_empty", "test_int8_gemv_matches_reference",
-                   "test_int8_gemv_large_k_and_batch_dims"]
+                   "test_int8_gemv_large_k_and_batch_dims", "test_int8_sparse24_gemv_matches_reference",
+                   "test_int8_sparse24_large_k_and_batch_dims"]
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
@@ -212,6 +213,65 @@ def test_kernel_build_matches_reference(build, child_pytest):
     returncode, output = child_pytest(label, [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
     assert returncode == 0, output[-6000:]
     assert " passed" in output and " failed" not in output
+
+
+INT8_FILE = str(Path(__file__).with_name("test_int8_activations.py"))
+INT8_TESTS = [t for t in REFERENCE_TESTS if t.startswith("test_int8")]
+
+
+def _int_dot_cases():
+    """(build, int_dot) for each int8 dot product a build has besides the one it chooses here."""
+    info = cpu_kernels()
+    cases = []
+    for build, dots in info["int_dots"].items():
+        runs = [d for d, why in dots.items() if not why]
+        cases += [(build, d) for d in dots if not runs or d != runs[0]]
+    return cases
+
+
+@pytest.mark.parametrize("build, int_dot", _int_dot_cases())
+def test_int_dot_matches_reference(build, int_dot, child_pytest):
+    """A build's other int8 dot products (the avx2 build's vpmaddubsw where the CPU has
+    vpdpbusd), forced by TORCH_MARLIN_CPU_INT_DOT, under the int8 reference tests."""
+    info = cpu_kernels()
+    why = info["builds"][build] or info["int_dots"][build][int_dot]
+    if why:
+        pytest.skip(f"{build} {int_dot}: {why}")
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build, TORCH_MARLIN_CPU_INT_DOT=int_dot)
+    label = f"test_int8_activations.py reference tests under the {build} build with {int_dot}"
+    returncode, output = child_pytest(label, [INT8_FILE, "-k", " or ".join(INT8_TESTS)], env, timeout=900)
+    assert returncode == 0, output[-6000:]
+    assert " passed" in output and " failed" not in output
+
+
+def _unrunnable_int_dots():
+    """(build, int_dot) of the builds this CPU runs: int8 dot products it lacks (the avx2 build's avx_vnni)."""
+    info = cpu_kernels()
+    return [(b, d) for b, dots in info["int_dots"].items() if not info["builds"][b] for d, why in dots.items() if why]
+
+
+@pytest.mark.parametrize("build, int_dot, message", [
+    (cpu_kernels()["selected"], "no-such-dot",
+     "TORCH_MARLIN_CPU_INT_DOT='no-such-dot' is not an int8 dot product of the {build} build; expected one of {dots}"),
+    *[(b, d, "TORCH_MARLIN_CPU_INT_DOT='{int_dot}' cannot run here (this CPU lacks") for b, d in _unrunnable_int_dots()[:1]],
+])
+def test_forcing_an_int_dot_that_does_not_run_is_an_error(build, int_dot, message):
+    """Reported by _cpu_kernels, and raised by the first int8 GEMV (the float path does not need it)."""
+    message = message.format(build=build, int_dot=int_dot, dots=", ".join(cpu_kernels()["int_dots"][build]))
+    code = ("import json, torch, torch_marlin as tm\n"
+            "print(json.loads(torch.ops.marlin._cpu_kernels())['error'])\n"
+            "p = tm.pack_codes(torch.randint(0, 16, (64, 8)))\n"
+            "args = (p, torch.ones(1, 8).half(), None, None, 'fp4', -1)\n"
+            "torch.ops.marlin.gemm(torch.randn(2, 64), *args)\n"
+            "with tm.cpu_int8_activations(True):\n"
+            "    try:\n"
+            "        torch.ops.marlin.gemm(torch.randn(2, 64), *args)\n"
+            "    except RuntimeError as e:\n"
+            "        print(str(e).splitlines()[0])\n")
+    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build, TORCH_MARLIN_CPU_INT_DOT=int_dot)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count(message) == 2, result.stdout
 
 
 @pytest.mark.parametrize("build, message", [

@@ -129,6 +129,8 @@ def _metal_support_problem(macos_major: int, macos_minor: int, apple7_gpu: bool)
 class cpu_int8_activations:
     """Whether the CPU kernels quantize x to int8 for GEMVs (up to 8 rows of x).
 
+    The GEMVs of the dense op, the expert stacks and the 2:4 layout take it.
+
     x is quantized per block of 32 values to int8 with an fp32 scale (as
     llama.cpp's Q8_0) and multiplied by the 4-bit codes with integer dot
     products, for the value formats whose values are small integers (fp4, int4,

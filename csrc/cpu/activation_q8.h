@@ -12,10 +12,11 @@ namespace cpu {
 
 // Rows [0, m) of x ([m, k], any type that converts to float), k and group_rows
 // multiples of kQ8Block. Per block of 32: dx = max |x| / 127 and xq = round(x / dx)
-// (ties to even) in fp32; an all-zero block gets dx = 0, xq = 0.
-// tests/test_int8_activations.py reproduces it exactly.
+// (ties to even) in fp32; an all-zero block gets dx = 0, xq = 0. The bytes go
+// in `order` (GemmArgs::q8_x). tests/test_int8_activations.py reproduces it exactly.
 template <class T>
-void quantize_x_q8(const T* x, int64_t m, int64_t k, int64_t group_rows, int32_t* q8_x, float* scale, float* gsum) {
+void quantize_x_q8(const T* x, int64_t m, int64_t k, int64_t group_rows, Q8Order order, int32_t* q8_x, float* scale,
+                   float* gsum) {
   const int64_t blocks = k / kQ8Block, group_blocks = group_rows / kQ8Block, groups = k / group_rows;
   int8_t* xq = reinterpret_cast<int8_t*>(q8_x);
   for (int64_t i = 0; i < m; ++i) {
@@ -33,8 +34,8 @@ void quantize_x_q8(const T* x, int64_t m, int64_t k, int64_t group_rows, int32_t
         const float r = d == 0.f ? 0.f : nearbyintf(v[j] / d);  // |v / d| <= 127 up to rounding
         const int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : static_cast<int32_t>(r);
         sum += q;
-        // Word row j / 8: its even K rows in the first quad, its odd rows in the second.
-        dst[(j & ~7) + (j & 1) * 4 + (j & 7) / 2] = static_cast<int8_t>(q);
+        // kQuads: word row j / 8, its even K rows in the first quad, its odd rows in the second.
+        dst[order == Q8Order::kNatural ? j : (j & ~7) + (j & 1) * 4 + (j & 7) / 2] = static_cast<int8_t>(q);
       }
       scale[i * blocks + b] = d;
       group_sum += d * static_cast<float>(sum);

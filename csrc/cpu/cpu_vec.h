@@ -17,7 +17,9 @@
 //   MARLIN_KERNEL_AVX512    AVX-512 F/BW/VL/DQ intrinsics, 16 lanes
 //   MARLIN_KERNEL_BF16_DOT  bf16 pair dot products: AVX512-BF16 + VBMI (with
 //                           MARLIN_KERNEL_AVX512) or Arm BF16
-//   MARLIN_KERNEL_VNNI      AVX512-VNNI (vpdpbusd) for int8 dot products
+//   MARLIN_KERNEL_VNNI      vpdpbusd for int8 dot products: AVX512-VNNI (with
+//                           MARLIN_KERNEL_AVX512), or on 256-bit registers in an
+//                           AVX2 build (AVX-VNNI, or AVX512-VNNI with AVX512-VL)
 //   MARLIN_KERNEL_DOTPROD   Arm dot product (sdot) for int8 dot products
 //   MARLIN_VECTOR_BYTES     the vector width, if not the build's register width
 #pragma once
@@ -207,12 +209,15 @@ inline vf dot_pairs(vf c, vf a, vf b) {
 // use per instruction set.
 
 // acc + sum over the 4 bytes of each lane of u * x, u unsigned below 128 (so
-// also a valid signed byte), x signed: vpdpbusd (AVX512-VNNI), vpmaddubsw +
+// also a valid signed byte), x signed: vpdpbusd (AVX512-VNNI, AVX-VNNI), vpmaddubsw +
 // vpmaddwd (AVX-512 BW, AVX2; no saturation: |u * x + u * x| < 2^15), sdot (Arm
 // dot product), or shifts and multiplies.
 inline vi dot4(vi acc, vi u, vi x) {
 #if MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_VNNI
   return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)u, (__m512i)x);
+#elif MARLIN_KERNEL_AVX2 && MARLIN_KERNEL_VNNI
+  // The builtin, not an intrinsic: VEX (avxvnni) or EVEX (avx512vnni, avx512vl) as the target allows.
+  return (vi)__builtin_ia32_vpdpbusd_v8si((__v8si)acc, (__v8si)u, (__v8si)x);
 #elif MARLIN_KERNEL_AVX512
   return acc + (vi)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)u, (__m512i)x), _mm512_set1_epi16(1));
 #elif MARLIN_KERNEL_AVX2
@@ -232,31 +237,61 @@ inline vi dot4(vi acc, vi u, vi x) {
 #endif
 }
 
-// Each byte b (below 16) of v replaced by table[b] (16 bytes).
-inline vi lookup_bytes(vi v, const uint8_t* table) {
+// dot4 multiplies signed bytes on both sides (sdot); elsewhere u is unsigned.
+#if defined(__aarch64__) && MARLIN_KERNEL_DOTPROD
+constexpr bool kDot4Symmetric = true;
+#else
+constexpr bool kDot4Symmetric = false;
+#endif
+
+// 16 bytes in every 128-bit lane: a table for lookup_bytes.
+inline vi byte_table(const uint8_t* table) {
 #if MARLIN_KERNEL_AVX512
   __m128i t;
   memcpy(&t, table, 16);
-  return (vi)_mm512_shuffle_epi8(_mm512_broadcast_i32x4(t), (__m512i)v);
+  return (vi)_mm512_broadcast_i32x4(t);
 #elif MARLIN_KERNEL_AVX2
   __m128i t;
   memcpy(&t, table, 16);
-  return (vi)_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), (__m256i)v);
+  return (vi)_mm256_broadcastsi128_si256(t);
+#else
+  vi v;
+  for (unsigned i = 0; i < sizeof(vi); i += 16) memcpy(reinterpret_cast<char*>(&v) + i, table, 16);
+  return v;
+#endif
+}
+
+// Each byte b (below 16) of v replaced by byte b of its 128-bit lane of `table` (byte_table).
+inline vi lookup_bytes(vi v, vi table) {
+#if MARLIN_KERNEL_AVX512
+  return (vi)_mm512_shuffle_epi8((__m512i)table, (__m512i)v);
+#elif MARLIN_KERNEL_AVX2
+  return (vi)_mm256_shuffle_epi8((__m256i)table, (__m256i)v);
 #elif defined(__aarch64__)
   constexpr int kRegisters = MARLIN_VECTOR_BYTES / 16;
-  uint8x16_t vv[kRegisters];
-  const uint8x16_t t = vld1q_u8(table);
+  uint8x16_t vv[kRegisters], t[kRegisters];
   memcpy(vv, &v, sizeof(v));
-  for (int h = 0; h < kRegisters; ++h) vv[h] = vqtbl1q_u8(t, vv[h]);
+  memcpy(t, &table, sizeof(table));
+  for (int h = 0; h < kRegisters; ++h) vv[h] = vqtbl1q_u8(t[h], vv[h]);
   memcpy(&v, vv, sizeof(v));
   return v;
 #else
-  uint8_t bytes[sizeof(vi)];
+  uint8_t bytes[sizeof(vi)], t[sizeof(vi)];
   memcpy(bytes, &v, sizeof(v));
-  for (unsigned i = 0; i < sizeof(vi); ++i) bytes[i] = table[bytes[i]];
+  memcpy(t, &table, sizeof(table));
+  for (unsigned i = 0; i < sizeof(vi); ++i) bytes[i] = t[i / 16 * 16 + bytes[i]];
   memcpy(&v, bytes, sizeof(v));
   return v;
 #endif
+}
+
+// Each byte b (below 16) of v replaced by table[b] (16 bytes).
+inline vi lookup_bytes(vi v, const uint8_t* table) { return lookup_bytes(v, byte_table(table)); }
+
+// Bytewise a - b (wrapping).
+inline vi sub_bytes(vi a, vi b) {
+  typedef int8_t vb __attribute__((vector_size(MARLIN_VECTOR_BYTES)));
+  return (vi)((vb)a - (vb)b);
 }
 
 // Copies `count` (<= width) words/values into a zero-padded local row so

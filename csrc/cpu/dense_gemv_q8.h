@@ -12,85 +12,118 @@
 // across the call's whole column range, with the per-column sums in memory. No
 // software prefetch: the hardware's follows 4 streams, and fetching 2 KiB ahead
 // in each was measured 3-6% slower (Zen 5, 8192 x 8192 int4 g32, one thread).
+// The 2:4 layout's int8 GEMV (cpu/sparse24_gemv_q8.h) is the same loop on
+// another layout (Q8Layout: how a block's int32 sums come about).
 #pragma once
 #include "cpu/cpu_vec.h"
 #include "cpu/dense_gemm.h"  // with_rows
 #include "cpu/format_decode.h"
 #include "cpu/kernel_args.h"
+#include "cpu/sparse24_metadata.h"  // kFillMetadata, copy_metadata
 
 namespace marlin {
 namespace cpu {
 namespace MARLIN_ISA_NS {
 namespace {
 
-constexpr int kQ8WordRows = int(kQ8Block / 8);  // word rows per block of x
-
 struct Q8Step {
-  const int32_t* x;      // x of the block's first row: 8 int32 (4 word rows x (even, odd) quads)
+  const int32_t* x;      // x of the block's first row (32 bytes, in the layout's Q8Order)
   int64_t ldx;           // row stride of x, in int32 (K / 4)
   const float* dx;       // dx_b of the first row
   int64_t lddx;          // = K / 32
   const float* gsum;     // X_g of the first row
   int64_t ldgsum;        // = groups
   const float *scale, *zero;
-  float *part, *acc;     // [rows][ld] per-column sums
+  float *part, *xpart, *acc;  // [rows][ld] per-column sums (xpart: KeptSums layouts with zeros)
   int64_t ld;
   bool first, last;      // the block starts / ends its group
 };
 
-// Columns [col, col + kLanes * NV) of the sums, from words w (word row stride ldw).
-template <int F, int MR, int NV>
-inline void q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, int64_t col) {
-  using D = Q8Decode<F>;
-  vi s[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) s[i][v] = vi{};
+// A layout of the int8-x GEMV (Q8Layout):
+//   kWordRows             weight word rows per block of x (kQ8Block K rows)
+//   kKeptSums             per-column sums of x (t) meet the zeros (biases), not X_g, and
+//                         dots takes the offsets off s itself
+//   kBlockRows, kVectors<MR>  register blocks: rows x vectors
+//   Args, metadata(a)     its kernel arguments; metadata words per column, one row per block (or null)
+//   dots<F, MR, NV>(c, w, ldw, meta, s, t)  adds a block's sums of x times code bytes to s, of x to t;
+//                         returns nonzero lanes where a metadata word is invalid
+// The dense layout: 4 word rows of 8 codes per block.
+struct DenseQ8 {
+  static constexpr int kWordRows = int(kQ8Block / 8);
+  static constexpr bool kKeptSums = false;
+  static constexpr int kBlockRows = MARLIN_KERNEL_AVX512 ? 4 : 2;
+  template <int MR>
+  static constexpr int kVectors = MARLIN_KERNEL_AVX512 ? (MR <= 2 ? 4 : 2) : MARLIN_KERNEL_AVX2 ? (MR <= 1 ? 4 : 2) : 1;
+  typedef GemmArgs Args;
+  static const int32_t* metadata(const Args&) { return nullptr; }
+
+  template <int F, int MR, int NV>
+  static inline vu dots(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t*, vi (&s)[MR][NV],
+                        vi (&)[MR][NV]) {
 #pragma GCC unroll 4
-  for (int r = 0; r < kQ8WordRows; ++r) {
-    vi lo[NV], hi[NV];
-    for (int v = 0; v < NV; ++v) q8_code_bytes<F>(load(w + r * ldw + kLanes * v), lo[v], hi[v]);
-    for (int i = 0; i < MR; ++i) {
-      const vi xe = splat_i(c.x[i * c.ldx + 2 * r]), xo = splat_i(c.x[i * c.ldx + 2 * r + 1]);
-      for (int v = 0; v < NV; ++v) s[i][v] = dot4(dot4(s[i][v], lo[v], xe), hi[v], xo);
+    for (int r = 0; r < kWordRows; ++r) {
+      vi lo[NV], hi[NV];
+      for (int v = 0; v < NV; ++v) q8_code_bytes<F>(load(w + r * ldw + kLanes * v), lo[v], hi[v]);
+      for (int i = 0; i < MR; ++i) {
+        const vi xe = splat_i(c.x[i * c.ldx + 2 * r]), xo = splat_i(c.x[i * c.ldx + 2 * r + 1]);
+        for (int v = 0; v < NV; ++v) s[i][v] = dot4(dot4(s[i][v], lo[v], xe), hi[v], xo);
+      }
     }
+    return vu{};
   }
+};
+
+// Columns [col, col + kLanes * NV) of the sums, from words w (word row stride ldw)
+// and metadata meta (the layout's).
+template <int F, int MR, int NV, class L>
+inline vu q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t* meta, int64_t col) {
+  using D = Q8Decode<F>;
+  constexpr bool kKeptXSum = L::kKeptSums && kHasZeros<F>;  // float sums of the kept x between blocks
+  vi s[MR][NV], t[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) s[i][v] = t[i][v] = vi{};
+  const vu bad = L::template dots<F, MR, NV>(c, w, ldw, meta, s, t);
   for (int i = 0; i < MR; ++i) {
     const vf dx = splat(c.dx[i * c.lddx]);
     for (int v = 0; v < NV; ++v) {
       const int64_t o = i * c.ld + col + kLanes * v;
       const vf sum = __builtin_convertvector(s[i][v], vf);  // exact: below 2^24
-      vf p = c.first ? sum * dx : fmadd(sum, dx, load(c.part + o));
+      vf p = c.first ? sum * dx : fmadd(sum, dx, load(c.part + o)), xp = vf{};
+      if (kKeptXSum) {
+        const vf kept = __builtin_convertvector(t[i][v], vf);
+        xp = c.first ? kept * dx : fmadd(kept, dx, load(c.xpart + o));
+      }
       if (!c.last) {
         store(c.part + o, p);
+        if (kKeptXSum) store(c.xpart + o, xp);
         continue;
       }
-      const vf x_sum = splat(c.gsum[i * c.ldgsum]), scale = load(c.scale + col + kLanes * v);
-      const vf zero = kHasZeros<F> ? load(c.zero + col + kLanes * v) : splat(float(D::kOffset));
+      const vf x_sum = kKeptXSum ? xp : splat(c.gsum[i * c.ldgsum]), scale = load(c.scale + col + kLanes * v);
+      constexpr int offset = L::kKeptSums ? 0 : D::kOffset;
+      const vf zero = kHasZeros<F> ? load(c.zero + col + kLanes * v) : splat(float(offset));
       if constexpr (kZerosAreBias<F>) {
         store(c.acc + o, fmadd(scale, p, fmadd(zero, x_sum, load(c.acc + o))));
         continue;
       }
-      if (kHasZeros<F> || D::kOffset != 0) p -= zero * x_sum;
+      if (kHasZeros<F> || offset != 0) p -= zero * x_sum;
       if (D::kDivisor == 2) p *= 0.5f;  // exact
       store(c.acc + o, fmadd(scale, p, load(c.acc + o)));
     }
   }
+  return bad;
 }
 
-// Register blocks: rows x vectors of int32 sums plus the decoded bytes.
-constexpr int kQ8BlockRows = MARLIN_KERNEL_AVX512 ? 4 : 2;
-template <int MR>
-constexpr int kQ8BlockVectors = MARLIN_KERNEL_AVX512 ? (MR <= 2 ? 4 : 2) : MARLIN_KERNEL_AVX2 ? (MR <= 1 ? 4 : 2) : 1;
-
-// out[m0:m1, n0:n1] (m1 - m0 <= kGemvMaxRows) from the int8 x of GemmArgs (q8_*).
-template <int F, int MR>
-void q8_rows(const GemmArgs& a, int64_t m0, int64_t n0, int64_t n1, float* buffers) {
-  constexpr int NV = kQ8BlockVectors<MR>, kCols = kLanes * NV;
+// out[m0:m0+MR, n0:n1] from the int8 x of the arguments (q8_*).
+template <int F, int MR, class L>
+vu q8_rows(const typename L::Args& a, int64_t m0, int64_t n0, int64_t n1, float* buffers) {
+  constexpr int NV = L::template kVectors<MR>, kCols = kLanes * NV;
   const int64_t cols = n1 - n0, padded = (cols + kCols - 1) / kCols * kCols;
   const int64_t blocks = a.k / kQ8Block, group_blocks = a.group_rows / kQ8Block;
-  float *part = buffers, *acc = part + MR * padded, *scale = acc + MR * padded, *zero = scale + padded;
+  float *part = buffers, *xpart = part + MR * padded, *acc = xpart + MR * padded, *scale = acc + MR * padded,
+        *zero = scale + padded;
   memset(acc, 0, MR * padded * sizeof(float));
-  alignas(64) int32_t tail[kQ8WordRows * kCols];
+  alignas(64) int32_t tail[L::kWordRows * kCols], tail_meta[kCols];
+  const int32_t* metadata = L::metadata(a);
   Q8Step c;
   c.ldx = a.k / 4;
   c.lddx = blocks;
@@ -98,46 +131,53 @@ void q8_rows(const GemmArgs& a, int64_t m0, int64_t n0, int64_t n1, float* buffe
   c.scale = scale;
   c.zero = zero;
   c.part = part;
+  c.xpart = xpart;
   c.acc = acc;
   c.ld = padded;
+  vu bad = {};
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t g = b / group_blocks;
     c.first = b % group_blocks == 0;
     c.last = b % group_blocks == group_blocks - 1;
     c.x = a.q8_x + m0 * c.ldx + 8 * b;
     c.dx = a.q8_scale + m0 * blocks + b;
-    c.gsum = a.q8_gsum + m0 * a.groups + g;
+    c.gsum = L::kKeptSums ? nullptr : a.q8_gsum + m0 * a.groups + g;
     if (c.last) {
       copy_halves(scale, a.scales + g * a.n + n0, cols, int(padded));
       if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + n0, cols, int(padded));
     }
-    const int32_t* rows = a.packed + b * kQ8WordRows * a.n + n0;
+    const int32_t* rows = a.packed + b * L::kWordRows * a.n + n0;
+    const int32_t* meta = metadata ? metadata + b * a.n + n0 : nullptr;
     for (int64_t col = 0; col < padded; col += kCols) {
-      if (col + kCols > cols) {  // the tail: zero-padded copies of the 4 word rows
-        for (int r = 0; r < kQ8WordRows; ++r) copy_words(tail + r * kCols, rows + r * a.n + col, cols - col, kCols);
-        q8_micro<F, MR, NV>(c, tail, kCols, col);
+      if (col + kCols > cols) {  // the tail: zero-padded copies of the word rows, valid metadata
+        for (int r = 0; r < L::kWordRows; ++r) copy_words(tail + r * kCols, rows + r * a.n + col, cols - col, kCols);
+        if (meta) copy_metadata(tail_meta, meta + col, cols - col, kCols, kFillMetadata);
+        bad |= q8_micro<F, MR, NV, L>(c, tail, kCols, tail_meta, col);
         continue;
       }
-      q8_micro<F, MR, NV>(c, rows + col, a.n, col);
+      bad |= q8_micro<F, MR, NV, L>(c, rows + col, a.n, meta ? meta + col : nullptr, col);
     }
   }
   for (int i = 0; i < MR; ++i) memcpy(a.out + (m0 + i) * a.n + n0, acc + i * padded, cols * sizeof(float));
+  return bad;
 }
 
-template <int F>
-void gemv_q8_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+template <int F, class L>
+vu q8_gemv(const typename L::Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   if constexpr (!Q8Decode<F>::kApplies) {
-    return;  // ops.cpp never asks (gemv_q8_applies)
+    return vu{};  // ops.cpp never asks (gemv_q8_applies)
   } else {
     const int64_t padded = (n1 - n0 + 64) / 64 * 64;
-    float* buffers = new float[(2 * kQ8BlockRows + 2) * padded];
+    float* buffers = new float[(3 * L::kBlockRows + 2) * padded];
+    vu bad = {};
     for (int64_t m = m0; m < m1;) {
-      const int64_t left = m1 - m, blocks = (left + kQ8BlockRows - 1) / kQ8BlockRows;
+      const int64_t left = m1 - m, blocks = (left + L::kBlockRows - 1) / L::kBlockRows;
       const int mr = int((left + blocks - 1) / blocks);
-      with_rows<kQ8BlockRows>(mr, [&]<int MR>() { q8_rows<F, MR>(a, m, n0, n1, buffers); });
+      with_rows<L::kBlockRows>(mr, [&]<int MR>() { bad |= q8_rows<F, MR, L>(a, m, n0, n1, buffers); });
       m += mr;
     }
     delete[] buffers;
+    return bad;
   }
 }
 

@@ -120,7 +120,7 @@ at::Tensor moe_gemm_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const
   // The GEMV items (few rows of an expert) take int8 x where that is on (ops.h).
   const bool q8 = use_gemv_q8(kern, s, 1) &&
                   std::any_of(items.begin(), items.end(), [](const WorkItem& w) { return w.gemv; });
-  const Q8Activations xq = q8 ? quantize_activations_q8(xg, s, base) : Q8Activations{};
+  const Q8Activations xq = q8 ? quantize_activations_q8(xg, s, Q8Order::kQuads, base) : Q8Activations{};
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -140,7 +140,7 @@ at::Tensor moe_gemm_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const
         a.q8_x += first * (s.k / 4);
         a.q8_scale += first * (s.k / kQ8Block);
         a.q8_gsum += first * s.groups;
-        kern.gemv_q8(a, w.m0 - first, w.m1 - first, w.n0, w.n1);
+        q8_kernels().gemv_q8(a, w.m0 - first, w.m1 - first, w.n0, w.n1);
       } else if (w.gemv)
         kern.gemv(a, w.m0 - first, w.m1 - first, w.n0, w.n1);
       else

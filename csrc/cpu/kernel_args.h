@@ -29,7 +29,8 @@ struct GemmArgs {
   // int8 activations (gemv_q8; ops.cpp's quantize_x_q8 writes them): x per block of
   // kQ8Block K rows as int8 values xq with an fp32 scale dx, x ~ dx * xq.
   const int32_t* q8_x;     // [m, k / 4]: per word row r (K rows 8r..8r+7) the quads
-                           // (xq[8r], xq[8r+2], xq[8r+4], xq[8r+6]) and (xq[8r+1], ..., xq[8r+7])
+                           // (xq[8r], xq[8r+2], xq[8r+4], xq[8r+6]) and (xq[8r+1], ..., xq[8r+7]);
+                           // for the 2:4 layout the bytes xq in K order (Q8Order)
   const float* q8_scale;   // [m, k / kQ8Block]: dx per block
   const float* q8_gsum;    // [m, groups]: sum over the group's blocks of dx * (sum of the block's xq)
   int64_t m, k, n, groups, group_rows;
@@ -37,9 +38,9 @@ struct GemmArgs {
 };
 
 // GemmArgs of the 2:4 layout (docs/FORMAT.md): `packed` = values [k / 16, n]
-// (8 kept codes per word) plus the position metadata; `xsum` is unused (zeros
-// are applied per kept value). With x_bf16 set, `x` is set too (fp32): the
-// kernels take the pair path where they have one, else fp32.
+// (8 kept codes per word) plus the position metadata; `xsum` and `q8_gsum` are
+// unused (zeros are applied per kept value). With x_bf16 set, `x` is set too
+// (fp32): the kernels take the pair path where they have one, else fp32.
 struct Sparse24Args : GemmArgs {
   const int32_t* metadata;  // [k / 32, n]
 };
@@ -52,6 +53,9 @@ constexpr int64_t kGemvMaxRows = 8;
 // K rows per int8 block of x (one scale each), as llama.cpp's Q8_0.
 constexpr int64_t kQ8Block = 32;
 
+// Byte order of int8 x (GemmArgs::q8_x): the dense GEMV's quads, or K order (2:4).
+enum class Q8Order { kQuads, kNatural };
+
 // Columns per work item of each kernel; ops.cpp splits work along these.
 constexpr int64_t kGemvBlockCols = 64;
 constexpr int64_t kGemmBlockCols = 64;
@@ -59,6 +63,16 @@ constexpr int64_t kGemmBlockRows = 256;
 
 // Floats of scratch that gemm_tile needs for `rows` rows of x.
 constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + rows) * kGemmBlockCols; }
+
+// The GEMVs with int8 x (q8_x, q8_scale, q8_gsum; dense: Q8Order::kQuads, 2:4:
+// kNatural) of one integer dot product; group_rows a multiple of kQ8Block.
+struct Q8Kernels {
+  const char* int_dot;   // "vpdpbusd", "vpmaddubsw", "sdot", "portable"; the avx2 build's
+                         // vpdpbusd on 256-bit registers: "avx_vnni" (VEX), "avx512_vnni_256" (EVEX)
+  const char* features;  // CPU features it needs beyond its build's (space-separated)
+  void (*gemv_q8)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+  uint32_t (*sparse24_gemv_q8)(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
+};
 
 // One build of the kernels (one instruction set). Entry points:
 //   gemv(a, m0, m1, n0, n1)    out[m0:m1, n0:n1]: every weight word is decoded once
@@ -79,11 +93,10 @@ struct CpuKernels {
   uint32_t (*sparse24_gemm_tile)(const Sparse24Args& a, int64_t m0, int64_t m1, int64_t nb, float* scratch);
   uint32_t (*sparse24_dequantize_rows)(const Sparse24Args& a, int64_t k0, int64_t k1, int64_t nb, float* tile);
   bool sparse24_bf16_x;  // the 2:4 kernels take x_bf16 (with x) for bf16 activations
-  // gemv with int8 x (q8_x, q8_scale, q8_gsum), for formats where gemv_q8_applies;
-  // group_rows a multiple of kQ8Block.
-  void (*gemv_q8)(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1);
-  bool (*gemv_q8_applies)(int format);
-  const char* int_dot;  // the integer dot product it uses: "vpdpbusd", "vpmaddubsw", "sdot", "portable"
+  bool (*gemv_q8_applies)(int format);  // the int8-x GEMVs serve the format (group_rows % kQ8Block == 0)
+  // The build's int8-x GEMVs, best first, null-terminated: variants on CPU
+  // features beyond the build's (the avx2 build's vpdpbusd), then its own.
+  const Q8Kernels* q8[4];
 };
 
 // Each kernels_<isa>.cpp defines its table; a build that the compiler cannot
@@ -91,6 +104,11 @@ struct CpuKernels {
 #define MARLIN_DECLARE_CPU_KERNELS(NS) \
   namespace NS {                       \
   extern const CpuKernels kernels;     \
+  }
+// The int8-x GEMVs of a build compiled again for more CPU features (kernels_avx2_vnni.cpp).
+#define MARLIN_DECLARE_Q8_KERNELS(NS) \
+  namespace NS {                      \
+  extern const Q8Kernels q8_kernels;  \
   }
 
 // A build this architecture cannot run: an empty table (of the entropy-coded
@@ -106,12 +124,18 @@ struct CpuKernels {
   extern const CpuKernels kernels = {};            \
   }
 #endif
+#define MARLIN_UNAVAILABLE_Q8_KERNELS(NS)            \
+  namespace marlin::cpu::NS {                        \
+  extern const Q8Kernels q8_kernels = {};            \
+  }
 
 MARLIN_DECLARE_CPU_KERNELS(avx512_bf16)
 MARLIN_DECLARE_CPU_KERNELS(avx512)
 MARLIN_DECLARE_CPU_KERNELS(avx2)
 MARLIN_DECLARE_CPU_KERNELS(neon_bf16)
 MARLIN_DECLARE_CPU_KERNELS(generic)
+MARLIN_DECLARE_Q8_KERNELS(avx2_avx_vnni)
+MARLIN_DECLARE_Q8_KERNELS(avx2_avx512_vnni)
 
 }  // namespace cpu
 }  // namespace marlin

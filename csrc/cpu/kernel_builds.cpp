@@ -47,10 +47,11 @@ bool cpu_has(const std::string& feature) {
   MARLIN_FEATURE(avx512f) MARLIN_FEATURE(avx512bw) MARLIN_FEATURE(avx512vl) MARLIN_FEATURE(avx512dq)
   MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx512vnni) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
 #undef MARLIN_FEATURE
-  if (feature == "f16c") {  // not a name Clang's __builtin_cpu_supports knows
-    unsigned eax, ebx, ecx, edx;
+  unsigned eax, ebx, ecx, edx;
+  if (feature == "f16c")  // not a name Clang's __builtin_cpu_supports knows
     return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
-  }
+  if (feature == "avxvnni")  // nor GCC 11's: CPUID leaf 7.1, EAX bit 4 (the OS saves ymm: the avx2 build's check)
+    return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 4));
 #elif defined(__aarch64__) && defined(__linux__)
   if (feature == "bf16") return getauxval(AT_HWCAP2) & HWCAP2_BF16;
   if (feature == "dotprod") return getauxval(AT_HWCAP) & HWCAP_ASIMDDP;
@@ -63,6 +64,19 @@ bool cpu_has(const std::string& feature) {
   }
 #endif
   return false;
+}
+
+// Empty when this CPU has every feature (space-separated), else "this CPU lacks ...".
+std::string lacking(const std::string& features) {
+  std::string missing;
+  for (size_t i = 0; i < features.size();) {
+    size_t j = features.find(' ', i);
+    if (j == std::string::npos) j = features.size();
+    const std::string f = features.substr(i, j - i);
+    if (!cpu_has(f)) missing += (missing.empty() ? "" : ", ") + f;
+    i = j + 1;
+  }
+  return missing.empty() ? "" : "this CPU lacks " + missing;
 }
 
 bool is_intel() {
@@ -96,17 +110,35 @@ std::string unsupported_reason(const std::string& name) {
   for (const Build& b : kBuilds) {
     if (name != b.name) continue;
     if (!b.kernels->name) return "not compiled for this architecture";
-    std::string missing, features = b.features;
-    for (size_t i = 0; i < features.size();) {
-      size_t j = features.find(' ', i);
-      if (j == std::string::npos) j = features.size();
-      const std::string f = features.substr(i, j - i);
-      if (!cpu_has(f)) missing += (missing.empty() ? "" : ", ") + f;
-      i = j + 1;
-    }
-    return missing.empty() ? "" : "this CPU lacks " + missing;
+    return lacking(b.features);
   }
   return "unknown build";
+}
+
+std::string q8_unsupported_reason(const Q8Kernels& q8) {
+  return q8.int_dot ? lacking(q8.features) : "not compiled for this architecture";
+}
+
+Q8Selection select_q8_kernels(const CpuKernels& build, const char* forced) {
+  std::string all, runs;
+  for (const Q8Kernels* const* k = build.q8; *k; ++k) {
+    if (!(*k)->int_dot) continue;
+    all += (all.empty() ? "" : ", ") + std::string((*k)->int_dot);
+    if (q8_unsupported_reason(**k).empty()) runs += (runs.empty() ? "" : ", ") + std::string((*k)->int_dot);
+  }
+  for (const Q8Kernels* const* k = build.q8; *k; ++k) {
+    if (!(*k)->int_dot) continue;
+    if (forced && *forced ? strcmp(forced, (*k)->int_dot) : !q8_unsupported_reason(**k).empty()) continue;
+    const std::string why = q8_unsupported_reason(**k);
+    if (!why.empty())
+      return {nullptr, "TORCH_MARLIN_CPU_INT_DOT='" + std::string(forced) + "' cannot run here (" + why +
+                           "); the " + build.name + " build runs: " + runs};
+    return {*k, ""};
+  }
+  if (forced && *forced)
+    return {nullptr, "TORCH_MARLIN_CPU_INT_DOT='" + std::string(forced) + "' is not an int8 dot product of the " +
+                         build.name + " build; expected one of " + all};
+  return {nullptr, std::string("no int8 dot product of the ") + build.name + " build runs here"};
 }
 
 const CpuKernels* find_kernel_build(const std::string& name) {

@@ -31,5 +31,17 @@ struct KernelSelection {
 // set: an unknown or unsupported name is an error, never a SIGILL.
 KernelSelection select_kernel_build(const char* forced);
 
+// Empty when this CPU runs the int8-x GEMVs (the features beyond their build's), else why not.
+std::string q8_unsupported_reason(const Q8Kernels& q8);
+
+struct Q8Selection {
+  const Q8Kernels* kernels;  // null when `error` says why
+  std::string error;
+};
+
+// The best of the build's int8-x GEMVs that this CPU runs, or `forced`
+// (TORCH_MARLIN_CPU_INT_DOT, one of the build's int_dot names) when set.
+Q8Selection select_q8_kernels(const CpuKernels& build, const char* forced);
+
 }  // namespace cpu
 }  // namespace marlin

@@ -39,7 +39,13 @@ bool use_gemv_q8(const CpuKernels& kern, const QuantizedShape& s, int64_t m) {
          kern.gemv_q8_applies(static_cast<int>(s.format));
 }
 
-Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, GemmArgs& a) {
+const Q8Kernels& q8_kernels() {
+  static const Q8Selection selected = select_q8_kernels(kernels(), std::getenv("TORCH_MARLIN_CPU_INT_DOT"));
+  TORCH_CHECK(selected.kernels, selected.error);
+  return *selected.kernels;
+}
+
+Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, Q8Order order, GemmArgs& a) {
   const int64_t m = x.size(0);
   Q8Activations q{at::empty({m, s.k / 4}, x.options().dtype(at::kInt)),
                   at::empty({m, s.k / kQ8Block}, x.options().dtype(at::kFloat)),
@@ -48,7 +54,8 @@ Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape&
   a.q8_scale = q.scale.data_ptr<float>();
   a.q8_gsum = q.gsum.data_ptr<float>();
   auto run = [&](const auto* xs) {
-    quantize_x_q8(xs, m, s.k, s.group_rows, q.x.data_ptr<int32_t>(), q.scale.data_ptr<float>(), q.gsum.data_ptr<float>());
+    quantize_x_q8(xs, m, s.k, s.group_rows, order, q.x.data_ptr<int32_t>(), q.scale.data_ptr<float>(),
+                  q.gsum.data_ptr<float>());
   };
   if (x.scalar_type() == at::kFloat)
     run(x.data_ptr<float>());
@@ -91,10 +98,11 @@ at::Tensor gemm_cpu(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));
     if (m > 0) {
       GemmArgs a = make_args(packed, scales, zeros, s);
-      const Q8Activations q = quantize_activations_q8(x2, s, a);
+      const Q8Activations q = quantize_activations_q8(x2, s, Q8Order::kQuads, a);
       a.out = out.data_ptr<float>();
       a.m = m;
-      parallel_gemv(s.n, [&](int64_t n0, int64_t n1) { kern.gemv_q8(a, 0, m, n0, n1); });
+      const Q8Kernels& q8 = q8_kernels();
+      parallel_gemv(s.n, [&](int64_t n0, int64_t n1) { q8.gemv_q8(a, 0, m, n0, n1); });
     }
     if (bias) out.add_(bias->to(at::kFloat));
     return out.to(x.scalar_type()).view(out_sizes);
@@ -152,20 +160,35 @@ bool cpu_int8_activations(c10::optional<bool> enabled) {
 // JSON: {"selected": build or null, "error": why none, "builds": {build: "" if
 // this CPU runs it, else why not}, "passed_over": {build: why the automatic
 // choice skips it, for builds this CPU runs}, "int_dot": the selected build's int8
-// dot product}; the tests and benchmarks report it.
+// dot product (null: `error` says why), "int_dots": {build: {each of its int8 dot
+// products, best first: "" if this CPU runs it, else why not}}}; the tests and
+// benchmarks report it.
 std::string cpu_kernels_info() {
   const KernelSelection selected = select_kernel_build(std::getenv("TORCH_MARLIN_CPU_KERNELS"));
-  std::string builds, passed_over;
+  std::string builds, passed_over, int_dots;
   for (const std::string& name : kernel_build_names()) {
     builds += (builds.empty() ? "\"" : ", \"") + name + "\": \"" + unsupported_reason(name) + "\"";
+    if (const CpuKernels* build = find_kernel_build(name)) {
+      std::string dots;
+      for (const Q8Kernels* const* k = build->q8; *k; ++k)
+        if ((*k)->int_dot)
+          dots += (dots.empty() ? "\"" : ", \"") + std::string((*k)->int_dot) + "\": \"" + q8_unsupported_reason(**k) + "\"";
+      int_dots += (int_dots.empty() ? "\"" : ", \"") + name + "\": {" + dots + "}";
+    }
     const std::string why = passed_over_reason(name);
     if (unsupported_reason(name).empty() && !why.empty())
       passed_over += (passed_over.empty() ? "\"" : ", \"") + name + "\": \"" + why + "\"";
   }
   const std::string name = selected.kernels ? "\"" + std::string(selected.kernels->name) + "\"" : "null";
-  const std::string int_dot = selected.kernels ? "\"" + std::string(selected.kernels->int_dot) + "\"" : "null";
-  return "{\"selected\": " + name + ", \"error\": \"" + selected.error + "\", \"builds\": {" + builds +
-         "}, \"passed_over\": {" + passed_over + "}, \"int_dot\": " + int_dot + "}";
+  std::string int_dot = "null", error = selected.error;
+  if (selected.kernels) {
+    const Q8Selection q8 = select_q8_kernels(*selected.kernels, std::getenv("TORCH_MARLIN_CPU_INT_DOT"));
+    if (q8.kernels) int_dot = "\"" + std::string(q8.kernels->int_dot) + "\"";
+    error = q8.error;
+  }
+  return "{\"selected\": " + name + ", \"error\": \"" + error + "\", \"builds\": {" + builds +
+         "}, \"passed_over\": {" + passed_over + "}, \"int_dot\": " + int_dot + ", \"int_dots\": {" + int_dots +
+         "}}";
 }
 
 }  // namespace

@@ -27,12 +27,16 @@ void check_cpu(const at::Tensor& t, const char* name);
 bool int8_activations();
 bool use_gemv_q8(const CpuKernels& kern, const QuantizedShape& s, int64_t m);
 
-// x [m, k] (fp32, bf16 or fp16, contiguous) as int8 blocks for gemv_q8: sets
-// a.q8_x, a.q8_scale, a.q8_gsum to the returned tensors' data.
+// The int8-x GEMVs of kernels()' build (kernel_builds.h), chosen once;
+// TORCH_MARLIN_CPU_INT_DOT=<int_dot> forces one of the build's.
+const Q8Kernels& q8_kernels();
+
+// x [m, k] (fp32, bf16 or fp16, contiguous) as int8 blocks for the int8-x GEMVs:
+// sets a.q8_x, a.q8_scale, a.q8_gsum to the returned tensors' data.
 struct Q8Activations {
   at::Tensor x, scale, gsum;
 };
-Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, GemmArgs& a);
+Q8Activations quantize_activations_q8(const at::Tensor& x, const QuantizedShape& s, Q8Order order, GemmArgs& a);
 
 // Kernel arguments of a packed weight (the first matrix of a stack); x, out and m are the caller's.
 GemmArgs make_args(const at::Tensor& packed, const at::Tensor& scales, const c10::optional<at::Tensor>& zeros,

@@ -8,6 +8,7 @@
 #include "cpu/dense_gemv.h"
 #include "cpu/format_decode.h"
 #include "cpu/kernel_args.h"
+#include "cpu/sparse24_metadata.h"
 
 // Layout recap: values word [r, n] holds the 8 kept codes of K rows
 // 16r..16r+15: nibble j is kept weight j / 4 of block j % 4; metadata word
@@ -33,28 +34,9 @@ namespace MARLIN_ISA_NS {
 namespace {
 
 constexpr int kSparseChunkWords = 8;          // gemv: values rows per pass (128 K rows)
-constexpr int32_t kFillMetadata = 0x44444444;  // (0, 1) in every block: pads tail columns
 // The bf16 pair path (vpmultishiftqb, vpermw, vdpbf16ps): AVX512-BF16 builds only.
 #define MARLIN_SPARSE24_DOT (MARLIN_KERNEL_AVX512 && MARLIN_KERNEL_BF16_DOT)
 constexpr bool kSparseDot = MARLIN_SPARSE24_DOT;
-
-inline void copy_metadata(int32_t* dst, const int32_t* src, int64_t count, int width, int32_t fill) {
-  memcpy(dst, src, count * sizeof(int32_t));
-  for (int64_t i = count; i < width; ++i) dst[i] = fill;
-}
-
-// Nonzero lanes: a nibble of the metadata word is not pos0 < pos1.
-inline vu metadata_invalid(vi m) {
-  const vu a = (vu)m & 0x33333333u, b = ((vu)m >> 2) & 0x33333333u;
-  // Per nibble 4 + pos1 - pos0 - 1, in 0..6, so no borrows: bit 2 set iff pos1 > pos0.
-  return ~((b | 0x44444444u) - a - 0x11111111u) & 0x44444444u;
-}
-
-inline uint32_t any_lane(vu v) {
-  uint32_t r = 0;
-  for (int i = 0; i < kLanes; ++i) r |= v[i];
-  return r;
-}
 
 // x gathered by position: lane l takes xb[idx_l & 3] of a block's 4 x values.
 // x86: vpermilps on the 4 values broadcast to every 128-bit lane reads only

@@ -40,14 +40,22 @@ at::Tensor sparse24_gemm_cpu(const at::Tensor& x, const at::Tensor& values, cons
   const CpuKernels& kern = kernels();
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = s.n;
-  const at::Tensor x2 = x.reshape({-1, s.k}).to(at::kFloat).contiguous();
+  const bool q8 = use_gemv_q8(kern, s, x.numel() / s.k);  // int8 x, from x's own dtype
+  const at::Tensor x2 = q8 ? x.reshape({-1, s.k}).contiguous() : x.reshape({-1, s.k}).to(at::kFloat).contiguous();
   // Builds with 2:4 bf16 pair kernels also take bf16 x as it is (x2 stays for the paths without).
-  const bool bf16_x = kern.sparse24_bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(s.format);
+  const bool bf16_x =
+      !q8 && kern.sparse24_bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(s.format);
   const at::Tensor x_bf16 = bf16_x ? x.reshape({-1, s.k}).contiguous() : at::Tensor();
   const int64_t m = x2.size(0);
   at::Tensor out = at::empty({m, s.n}, x.options().dtype(at::kFloat));
   std::atomic<uint32_t> bad{0};
-  if (m > 0) {
+  if (m > 0 && q8) {
+    const Q8Activations xq = quantize_activations_q8(x2, s, Q8Order::kNatural, a);
+    a.out = out.data_ptr<float>();
+    a.m = m;
+    const Q8Kernels& int8 = q8_kernels();
+    parallel_gemv(s.n, [&](int64_t n0, int64_t n1) { bad |= int8.sparse24_gemv_q8(a, 0, m, n0, n1); });
+  } else if (m > 0) {
     a.x = x2.data_ptr<float>();
     if (bf16_x) a.x_bf16 = reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>());
     a.out = out.data_ptr<float>();

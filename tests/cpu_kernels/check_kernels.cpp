@@ -182,37 +182,54 @@ void run_gemv(const CpuKernels& kern, const Problem& p, bool bf16, const std::st
   check_gemm(p, p.w, bf16, out, what + " gemv");
 }
 
-// The int8-activation GEMV: x quantized as ops.cpp does (cpu/activation_q8.h), against the
-// float64 products of exactly those int8 values and scales with the weights.
-void run_gemv_q8(const CpuKernels& kern, const Problem& p, const std::string& what) {
-  const int64_t m = p.c.m, n = p.c.n, k = p.c.k, blocks = k / kQ8Block;
-  std::vector<int32_t> xq(m * k / 4);
-  std::vector<float> scale(m * blocks), gsum(m * p.groups), out(m * n, NAN);
-  quantize_x_q8(p.x.data(), m, k, p.group_rows, xq.data(), scale.data(), gsum.data());
-  GemmArgs a = p.args();
-  a.q8_x = xq.data();
-  a.q8_scale = scale.data();
-  a.q8_gsum = gsum.data();
-  a.out = out.data();
-  over_gemv_ranges(n, [&](int64_t n0, int64_t n1) { kern.gemv_q8(a, 0, m, n0, n1); });
-  const int8_t* bytes = reinterpret_cast<const int8_t*>(xq.data());
+// x quantized as ops.cpp does (cpu/activation_q8.h), in `order`: the GemmArgs fields.
+struct Q8X {
+  std::vector<int32_t> xq;
+  std::vector<float> scale, gsum;
+  Q8X(const Problem& p, Q8Order order)
+      : xq(p.c.m * p.c.k / 4), scale(p.c.m * p.c.k / kQ8Block), gsum(p.c.m * p.groups) {
+    quantize_x_q8(p.x.data(), p.c.m, p.c.k, p.group_rows, order, xq.data(), scale.data(), gsum.data());
+  }
+  void set(GemmArgs& a) const {
+    a.q8_x = xq.data();
+    a.q8_scale = scale.data();
+    a.q8_gsum = gsum.data();
+  }
+};
+
+// An int8-x GEMV's out against the float64 products of exactly those int8 values and
+// scales with the weights w ([k, n]: the dense or the 2:4 weight).
+void check_q8(const Problem& p, const std::vector<double>& w, const Q8X& q, Q8Order order,
+              const std::vector<float>& out, const std::string& what) {
+  const int64_t n = p.c.n, k = p.c.k, blocks = k / kQ8Block;
+  const int8_t* bytes = reinterpret_cast<const int8_t*>(q.xq.data());
   double worst = 0;
-  for (int64_t i = 0; i < m; ++i) {
+  for (int64_t i = 0; i < p.c.m; ++i) {
     for (int64_t j = 0; j < n; ++j) {
       double ref = 0, magnitude = 0;
       for (int64_t r = 0; r < k; ++r) {
-        const int64_t pos = r / 8 * 8 + (r % 2) * 4 + (r % 8) / 2;  // the quads' order
-        const double xv = double(scale[i * blocks + r / kQ8Block]) * bytes[i * k + pos];
-        ref += xv * p.w[r * n + j];
+        const int64_t pos = order == Q8Order::kNatural ? r : r / 8 * 8 + (r % 2) * 4 + (r % 8) / 2;  // the quads
+        const double xv = double(q.scale[i * blocks + r / kQ8Block]) * bytes[i * k + pos];
+        ref += xv * w[r * n + j];
         // the terms the kernel sums: values and zeros (offsets) times the scale, apart
         const double s = half_value(p.scales[r / p.group_rows * n + j]);
-        magnitude += fabs(xv) * (fabs(p.w[r * n + j]) + 16 * fabs(s) + fabs(half_value(p.zeros[r / p.group_rows * n + j])));
+        magnitude += fabs(xv) * (fabs(w[r * n + j]) + 16 * fabs(s) + fabs(half_value(p.zeros[r / p.group_rows * n + j])));
       }
       const double err = fabs(out[i * n + j] - ref), bound = 1e-6 * magnitude + 1e-30;
       if (!(err <= bound) && err / bound > worst) worst = err / bound;
     }
   }
-  if (worst > 0) fail(what + " gemv_q8: error up to " + std::to_string(worst) + "x the bound");
+  if (worst > 0) fail(what + ": error up to " + std::to_string(worst) + "x the bound");
+}
+
+void run_gemv_q8(const Q8Kernels& q8, const Problem& p, const std::string& what) {
+  const Q8X q(p, Q8Order::kQuads);
+  std::vector<float> out(p.c.m * p.c.n, NAN);
+  GemmArgs a = p.args();
+  q.set(a);
+  a.out = out.data();
+  over_gemv_ranges(p.c.n, [&](int64_t n0, int64_t n1) { q8.gemv_q8(a, 0, p.c.m, n0, n1); });
+  check_q8(p, p.w, q, Q8Order::kQuads, out, what + " gemv_q8");
 }
 
 void run_gemm_tile(const CpuKernels& kern, const Problem& p, bool bf16, const std::string& what) {
@@ -307,6 +324,23 @@ void run_sparse(const CpuKernels& kern, const SparseProblem& sp, bool bf16, cons
   if (bad) fail(what + ": valid metadata reported invalid");
 }
 
+// The 2:4 int8-x GEMV (x in K order), and that it reports an invalid metadata word.
+void run_sparse_q8(const Q8Kernels& q8, const SparseProblem& sp, const std::string& what) {
+  const Problem& p = sp.d;
+  const Q8X q(p, Q8Order::kNatural);
+  std::vector<float> out;
+  Sparse24Args a = sp.args(false, out);
+  q.set(a);
+  uint32_t bad = 0;
+  over_gemv_ranges(p.c.n, [&](int64_t n0, int64_t n1) { bad |= q8.sparse24_gemv_q8(a, 0, p.c.m, n0, n1); });
+  check_q8(p, sp.w, q, Q8Order::kNatural, out, what + " sparse24_gemv_q8");
+  if (bad) fail(what + " sparse24_gemv_q8: valid metadata reported invalid");
+  std::vector<int32_t> broken = sp.metadata;
+  broken[broken.size() - 1] = int32_t((uint32_t(broken.back()) & ~0xF0000u) | 0x50000u);  // (1, 1)
+  a.metadata = broken.data();
+  if (!q8.sparse24_gemv_q8(a, 0, p.c.m, 0, p.c.n)) fail(what + " sparse24_gemv_q8: an invalid metadata word went unreported");
+}
+
 // Exact as the dense dequantize; and a metadata word with an invalid pattern
 // (equal positions) in the last column is reported by every entry point.
 void run_sparse_dequantize(const CpuKernels& kern, const SparseProblem& sp, const std::string& what) {
@@ -378,6 +412,18 @@ int main(int argc, char** argv) {
     const CpuKernels& kern = *find_kernel_build(name);
     const int before = failures;
     int q8_cases = 0;
+    // As the ops: int8 x for few rows, where the format and the group size allow it; every
+    // int8 dot product of the build that this CPU runs.
+    std::string int_dots;
+    std::vector<const Q8Kernels*> int8;
+    for (const Q8Kernels* const* k = kern.q8; *k; ++k) {
+      const std::string why = q8_unsupported_reason(**k);
+      if ((*k)->int_dot) int_dots += (int_dots.empty() ? "" : ", ") + std::string((*k)->int_dot) + (why.empty() ? "" : " (skipped: " + why + ")");
+      if (why.empty()) int8.push_back(*k);
+    }
+    auto q8_applies = [&](const Problem& p) {
+      return p.c.m <= kGemvMaxRows && p.group_rows % kQ8Block == 0 && kern.gemv_q8_applies(p.c.format);
+    };
     for (const Problem& p : problems) {
       for (bool bf16 : {false, true}) {
         // As the ops: bf16 x only to the formats whose values bf16 holds.
@@ -389,13 +435,13 @@ int main(int argc, char** argv) {
         run_gemv(kern, p, bf16, what);
         run_gemm_tile(kern, p, bf16, what);
       }
-      // As the ops: int8 x for few rows, where the format and the group size allow it.
-      if (p.c.m <= kGemvMaxRows && p.group_rows % kQ8Block == 0 && kern.gemv_q8_applies(p.c.format)) {
-        run_gemv_q8(kern, p, name + " " + format_name(p.c.format) + " x=int8 m=" + std::to_string(p.c.m) +
-                                 " n=" + std::to_string(p.c.n) + " k=" + std::to_string(p.c.k) +
-                                 " g=" + std::to_string(p.c.group_size));
-        ++q8_cases;
-      }
+      if (q8_applies(p))
+        for (const Q8Kernels* q8 : int8) {
+          run_gemv_q8(*q8, p, name + " " + q8->int_dot + " " + format_name(p.c.format) + " x=int8 m=" +
+                                  std::to_string(p.c.m) + " n=" + std::to_string(p.c.n) + " k=" +
+                                  std::to_string(p.c.k) + " g=" + std::to_string(p.c.group_size));
+          ++q8_cases;
+        }
       run_dequantize(kern, p, name + " " + format_name(p.c.format));
     }
     for (const SparseProblem& sp : sparse) {
@@ -409,11 +455,18 @@ int main(int argc, char** argv) {
         run_sparse(kern, sp, bf16, what);
       }
       run_sparse_dequantize(kern, sp, name + " 2:4 " + format_name(c.format));
+      if (q8_applies(sp.d))
+        for (const Q8Kernels* q8 : int8) {
+          run_sparse_q8(*q8, sp, name + " " + q8->int_dot + " 2:4 " + format_name(c.format) + " x=int8 m=" +
+                                     std::to_string(c.m) + " n=" + std::to_string(c.n) + " k=" +
+                                     std::to_string(c.k) + " g=" + std::to_string(c.group_size));
+          ++q8_cases;
+        }
     }
-    printf("%s %s (%zu dense and %zu 2:4 cases; dense %s, 2:4 %s; %d int8-x gemv cases, %s)\n",
+    printf("%s %s (%zu dense and %zu 2:4 cases; dense %s, 2:4 %s; %d int8-x gemv cases (dense and 2:4), %s)\n",
            failures == before ? "PASS" : "FAIL", name.c_str(), problems.size(), sparse.size(),
            kern.bf16_x ? "fp32 and bf16 x" : "fp32 x", kern.sparse24_bf16_x ? "fp32 and bf16 x" : "fp32 x", q8_cases,
-           kern.int_dot);
+           int_dots.c_str());
     ++checked;
   }
 

@@ -1,0 +1,26 @@
+// The avx2 build's int8-x GEMVs with vpdpbusd on 256-bit registers, EVEX
+// encoded (AVX512-VNNI with AVX512-VL: an AVX-512 CPU without AVX-VNNI, where
+// the avx2 build runs when forced), chosen at run time over its vpmaddubsw
+// ones (kernels_avx2.cpp lists them). The same source as
+// kernels_avx2_avx_vnni.cpp, which such a CPU cannot run.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef __clang__
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c,avx512vnni,avx512vl"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,f16c,avx512vnni,avx512vl")
+#endif
+#define MARLIN_KERNEL_NS avx2_avx512_vnni
+#define MARLIN_KERNEL_NAME "avx2"
+#define MARLIN_KERNEL_AVX2 1
+#define MARLIN_KERNEL_VNNI 1
+#define MARLIN_KERNEL_Q8_ONLY 1
+#define MARLIN_KERNEL_INT_DOT "avx512_vnni_256"
+#define MARLIN_KERNEL_Q8_FEATURES "avx512vnni avx512vl"
+#include "cpu/kernels_impl.h"
+#ifdef __clang__
+#pragma clang attribute pop
+#endif
+#else
+#include "cpu/kernel_args.h"
+MARLIN_UNAVAILABLE_Q8_KERNELS(avx2_avx512_vnni)
+#endif
