@@ -37,12 +37,64 @@ void check_float_tensor(const std::string& module, const at::Tensor& t, std::vec
   TORCH_CHECK_VALUE(t.is_contiguous(), module, " must be contiguous");
 }
 
+// The engine's own loops run once per token, outside the kernel builds: GCC
+// compiles them for AVX-512 and AVX2 too and picks one at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MARLIN_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// No fused multiply-adds where the dense op's own code (compiled without them) must be matched bit for bit.
+#define MARLIN_SEPARATE_ROUNDING __attribute__((optimize("fp-contract=off")))
+#define MARLIN_FLATTEN __attribute__((flatten))  // the template it calls compiled for the clone's target
+#else
+#define MARLIN_FLATTEN
+#define MARLIN_CLONES
+#define MARLIN_SEPARATE_ROUNDING
+#endif
+
+// sum a[i] * b[i], in 16 partial sums (vectors) instead of one chain.
+MARLIN_CLONES float dot(const float* a, const float* b, int64_t n) {
+  float part[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) part[j] += a[i + j] * b[i + j];
+  float sum = 0.f;
+  for (; i < n; ++i) sum += a[i] * b[i];
+  for (int j = 0; j < 16; ++j) sum += part[j];
+  return sum;
+}
+
 // out = weight * (x / rms(x)), as transformers' LlamaRMSNorm in float32.
-void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
-  double squares = 0;
-  for (int64_t i = 0; i < n; ++i) squares += double(x[i]) * x[i];
-  const float inv = 1.f / std::sqrt(float(squares / double(n)) + eps);
+MARLIN_CLONES void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  const float inv = 1.f / std::sqrt(float(double(dot(x, x, n)) / double(n)) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
+}
+
+// out = silu(gate) * up.
+MARLIN_CLONES void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// x (one row, k values) as int8 blocks (activation_q8.h): the dense op's blocks, bit for bit.
+MARLIN_CLONES MARLIN_SEPARATE_ROUNDING MARLIN_FLATTEN
+void quantize_row_q8(const float* x, int64_t k, int64_t group_rows, int32_t* q8_x, float* scale, float* gsum) {
+  quantize_x_q8(x, 1, k, group_rows, q8_x, scale, gsum);
+}
+
+// One head's attention over `len` cached positions: scores in s, output in out.
+MARLIN_CLONES void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t head_dim,
+                          float scale, float* s, float* out) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = dot(q, keys + t * head_dim, head_dim) * scale;
+    top = std::max(top, s[t]);
+  }
+  float total = 0.f;
+  for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - top));
+  std::fill(out, out + head_dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float p = s[t] / total;
+    const float* v = values + t * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) out[d] += p * v[d];
+  }
 }
 
 // Rotary embedding of `heads` vectors [head_dim] at `pos`, the halves rotated
@@ -243,6 +295,9 @@ void DecodeEngine::finish() {
     groups_.push_back(make_group({L.down}, x_down_.data()));
   }
   if (!float_head_.defined()) groups_.push_back(make_group({int(slots_[layers_ * kRolesPerLayer])}, x_head_.data()));
+  int64_t widest = 0;
+  for (const GemvGroup& g : groups_) widest = std::max(widest, g.cols);
+  scratch_.assign(2 * kGemvScratchRows * ((widest + kGemvBlockCols - 1) / kGemvBlockCols * kGemvBlockCols), 0.f);
   finished_ = true;
 }
 
@@ -274,7 +329,7 @@ void DecodeEngine::run_group(GemvGroup& g, bool int8) {
   for (PreparedInput& p : g.q8)
     if (int8) {
       const int64_t k = int64_t(p.q8_scale.size()) * kQ8Block;
-      quantize_x_q8(g.x, 1, k, p.group_rows, p.q8_x.data(), p.q8_scale.data(), p.sums.data());
+      quantize_row_q8(g.x, k, p.group_rows, p.q8_x.data(), p.q8_scale.data(), p.sums.data());
     }
   for (PreparedInput& p : g.xsum)
     for (size_t i = 0; i < p.sums.size(); ++i) {
@@ -299,10 +354,12 @@ void DecodeEngine::run_group(GemvGroup& g, bool int8) {
       const int64_t n0 = std::max(c0, g.first_col[m]) - g.first_col[m];
       const int64_t n1 = std::min(c1, g.first_col[m] + l.args.n) - g.first_col[m];
       if (n0 >= n1) continue;
+      GemmArgs a = l.args;
+      a.scratch = scratch_.data() + 2 * kGemvScratchRows * c0;  // n1 - n0 <= c1 - c0 columns
       if (int8 && l.q8)
-        kern_->gemv_q8(l.args, 0, 1, n0, n1);
+        kern_->gemv_q8(a, 0, 1, n0, n1);
       else
-        kern_->gemv(l.args, 0, 1, n0, n1);
+        kern_->gemv(a, 0, 1, n0, n1);
       if (l.bias.defined()) {
         const float* b = l.bias.data_ptr<float>();
         for (int64_t n = n0; n < n1; ++n) l.out[n] += b[n];
@@ -322,27 +379,10 @@ void DecodeEngine::attention(int64_t layer) {
   // Threads only when a head has enough work to pay for the fork.
   const int64_t grain = std::max<int64_t>(1, 32768 / (len * head_dim_));
   at::parallel_for(0, heads_, grain, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* q = q_.data() + h * head_dim_;
-      const float* kh = keys + (h / group) * max_length_ * head_dim_;
-      const float* vh = values + (h / group) * max_length_ * head_dim_;
-      float* s = scores_.data() + h * max_length_;
-      float top = -INFINITY;
-      for (int64_t t = 0; t < len; ++t) {
-        float dot = 0.f;
-        for (int64_t d = 0; d < head_dim_; ++d) dot += q[d] * kh[t * head_dim_ + d];
-        s[t] = dot * scale;
-        top = std::max(top, s[t]);
-      }
-      float total = 0.f;
-      for (int64_t t = 0; t < len; ++t) total += (s[t] = std::exp(s[t] - top));
-      float* out = x_o_.data() + h * head_dim_;
-      std::fill(out, out + head_dim_, 0.f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float p = s[t] / total;
-        for (int64_t d = 0; d < head_dim_; ++d) out[d] += p * vh[t * head_dim_ + d];
-      }
-    }
+    for (int64_t h = h0; h < h1; ++h)
+      attend(q_.data() + h * head_dim_, keys + (h / group) * max_length_ * head_dim_,
+             values + (h / group) * max_length_ * head_dim_, len, head_dim_, scale,
+             scores_.data() + h * max_length_, x_o_.data() + h * head_dim_);
   });
 }
 
@@ -371,10 +411,7 @@ at::Tensor DecodeEngine::step(int64_t token) {
     for (int64_t i = 0; i < hidden_; ++i) h_[i] += o_[i];
     rms_norm(h_.data(), L.post_norm.data_ptr<float>(), hidden_, eps_, x_mlp_.data());
     run_group(groups_[4 * l + 2], int8);
-    for (int64_t i = 0; i < intermediate_; ++i) {
-      const float g = gate_[i];
-      x_down_[i] = g / (1.f + std::exp(-g)) * up_[i];
-    }
+    silu_mul(gate_.data(), up_.data(), intermediate_, x_down_.data());
     run_group(groups_[4 * l + 3], int8);
     for (int64_t i = 0; i < hidden_; ++i) h_[i] += down_[i];
   }

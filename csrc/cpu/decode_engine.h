@@ -103,6 +103,9 @@ class DecodeEngine : public torch::CustomClassHolder {
   std::vector<float> h_, x_attn_, x_o_, x_mlp_, x_down_, x_head_, q_, k_, v_, o_, gate_, up_, down_;
   std::vector<float> cache_;   // [layers][2 (k, v)][kv_heads][max_length][head_dim]
   std::vector<float> scores_;  // [heads][max_length]
+  // The GEMVs' per-column sums (GemmArgs::scratch): a thread's item of columns c0:c1
+  // uses 2 * kGemvScratchRows * c0 on, never another item's part (allocated once).
+  std::vector<float> scratch_;
 };
 
 }  // namespace cpu

@@ -129,15 +129,16 @@ void gemv_q8_format(const GemmArgs& a, int64_t m0, int64_t m1, int64_t n0, int64
   if constexpr (!Q8Decode<F>::kApplies) {
     return;  // ops.cpp never asks (gemv_q8_applies)
   } else {
+    static_assert(2 * kQ8BlockRows + 2 <= kGemvScratchRows, "gemv_scratch_floats is too small");
     const int64_t padded = (n1 - n0 + 64) / 64 * 64;
-    float* buffers = new float[(2 * kQ8BlockRows + 2) * padded];
+    float* buffers = a.scratch ? a.scratch : new float[(2 * kQ8BlockRows + 2) * padded];
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m, blocks = (left + kQ8BlockRows - 1) / kQ8BlockRows;
       const int mr = int((left + blocks - 1) / blocks);
       with_rows<kQ8BlockRows>(mr, [&]<int MR>() { q8_rows<F, MR>(a, m, n0, n1, buffers); });
       m += mr;
     }
-    delete[] buffers;
+    if (!a.scratch) delete[] buffers;
   }
 }
 
