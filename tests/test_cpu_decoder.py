@@ -161,6 +161,25 @@ def test_greedy_generate_equals_transformers(name):
     assert decoder.generate(torch.tensor([PROMPT]), 10) == ref  # again, from a reset cache
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_wide_layers_split_over_threads(threads):
+    """Layers wide enough that a GEMV group is several work items (512 columns each) per thread."""
+    model = tiny_model(hidden_size=256, intermediate_size=1024, vocab_size=2304, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=32)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        decoder = CpuDecoder(model)
+        for int8 in (False, True):
+            ref, _ = int8_reference(model, PROMPT[:3]) if int8 else (reference_logits(model, PROMPT[:3]), None)
+            decoder.reset()
+            with torch_marlin.cpu_int8_activations(int8):
+                for t, r in zip(PROMPT[:3], ref):
+                    assert_close_logits(decoder.step(t), r, 1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cache_full_and_bad_tokens_are_errors():
     decoder = CpuDecoder(tiny_model(), max_length=3)
     with pytest.raises(ValueError, match=r"token must be in \[0, 128\), got 128"):

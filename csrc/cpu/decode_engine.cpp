@@ -8,6 +8,7 @@
 #include <ATen/ops/mv.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -346,8 +347,7 @@ void DecodeEngine::run_group(GemvGroup& g, bool int8) {
     for (PreparedInput& p : g.xsum)
       if (p.group_rows == a.group_rows) a.xsum = p.sums.data();
   }
-  const int64_t blocks = (g.cols + kGemvBlockCols - 1) / kGemvBlockCols;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  auto columns = [&](int64_t b0, int64_t b1) {  // the group's column blocks b0:b1
     const int64_t c0 = b0 * kGemvBlockCols, c1 = std::min(g.cols, b1 * kGemvBlockCols);
     for (size_t m = 0; m < g.linears.size(); ++m) {
       const EngineLinear& l = linears_[g.linears[m]];
@@ -365,7 +365,21 @@ void DecodeEngine::run_group(GemvGroup& g, bool int8) {
         for (int64_t n = n0; n < n1; ++n) l.out[n] += b[n];
       }
     }
-  });
+  };
+  const int64_t blocks = (g.cols + kGemvBlockCols - 1) / kGemvBlockCols;
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || at::in_parallel_region()) {
+    columns(0, blocks);
+  } else {
+    // Items of at least 512 columns (one stream each), about 4 per thread, handed out as
+    // threads come free: a thread that the machine's other work delays holds up one item,
+    // not a fixed share of the GEMV.
+    const int64_t item = std::max<int64_t>(8, blocks / (4 * threads)), items = (blocks + item - 1) / item;
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t i = next++; i < items; i = next++) columns(i * item, std::min(blocks, (i + 1) * item));
+    });
+  }
   if (timing_clock_ >= 0) gemv_seconds_ += seconds(timing_clock_) - start;
 }
 
