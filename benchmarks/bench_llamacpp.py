@@ -12,6 +12,9 @@ llama.cpp's Q4_0 rule, (q - 8) x fp16 scale per block of 32, and run two ways:
                  same Q4_0 rule: the same codes and scales as the GGUF file
                  (checked on one layer), with float32 x and int8 x
                  (torch_marlin.cpu_int8_activations)
+  marlin engine  the same quantized model through torch_marlin.CpuDecoder: the whole
+                 token in C++ (csrc/cpu/decode_engine.cpp) on the same MarlinLinear
+                 buffers, float32 x and int8 x
 
 Greedy decode with a KV cache, batch 1: ms per token (median step) after a short
 prompt, and for torch_marlin also the sum of the MarlinLinear calls' times per
@@ -191,6 +194,23 @@ def marlin_steps(model: nn.Module, prompt: list, new_tokens: int, clock, timer: 
     return steps, gemv
 
 
+def engine_steps(decoder, prompt: list, new_tokens: int, clock):
+    """(seconds per decode step, GEMV seconds per step) of torch_marlin.CpuDecoder."""
+    decoder.reset()
+    for t in prompt:
+        logits = decoder.step(t)
+    token = int(logits.argmax())
+    steps, gemv = [], []
+    for _ in range(new_tokens):
+        before = decoder.engine.gemv_seconds()
+        start = clock()
+        logits = decoder.step(token)
+        token = int(logits.argmax())
+        steps.append(clock() - start)
+        gemv.append(decoder.engine.gemv_seconds() - before)
+    return steps, gemv
+
+
 def llama_steps(llm, prompt: list, new_tokens: int, clock):
     llm.reset()
     llm.eval(prompt)
@@ -263,6 +283,14 @@ def main() -> None:
             with torch_marlin.cpu_int8_activations(int8):
                 return marlin_steps(marlin, prompt, args.new_tokens, clock, timer)
         variants[f"marlin int4 g32, {'int8' if int8 else args.dtype} x"] = run
+    if dtype == torch.float32:  # the engine runs float32 models
+        decoder = torch_marlin.CpuDecoder(marlin, max_length=args.prompt_tokens + args.new_tokens + 1)
+        decoder.engine.time_gemvs(args.clock)
+        for int8 in (False, True):
+            def run_engine(int8=int8):
+                with torch_marlin.cpu_int8_activations(int8):
+                    return engine_steps(decoder, prompt, args.new_tokens, clock)
+            variants[f"marlin engine, {'int8' if int8 else 'float32'} x"] = run_engine
     steps = {v: [] for v in variants}
     gemv = {v: [] for v in variants}
     for fn in variants.values():  # warm-up

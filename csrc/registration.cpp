@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/formats.h"
+#include "cpu/decode_engine.h"
 
 namespace {
 
@@ -136,4 +137,18 @@ TORCH_LIBRARY(marlin, m) {
   // Internal: whether CPU GEMVs quantize x to int8 blocks (docs/CPU.md); sets it when
   // given, returns the setting before the call.
   m.def("_cpu_int8_activations(bool? enabled=None) -> bool");
+  // The whole-token CPU decode engine of Llama-family models (csrc/cpu/decode_engine.h,
+  // torch_marlin/cpu_decoder.py builds it from a transformers model).
+  using marlin::cpu::DecodeEngine;
+  m.class_<DecodeEngine>("CpuDecodeEngine")
+      .def(torch::init<std::vector<int64_t>, double>())
+      .def("set_float", &DecodeEngine::set_float)
+      .def("set_linear", &DecodeEngine::set_linear)
+      .def("finish", &DecodeEngine::finish)
+      .def("reset", &DecodeEngine::reset)
+      .def("position", &DecodeEngine::position)
+      .def("step", &DecodeEngine::step)
+      .def("kernel_build", &DecodeEngine::kernel_build)
+      .def("time_gemvs", &DecodeEngine::time_gemvs)
+      .def("gemv_seconds", &DecodeEngine::gemv_seconds);
 }

@@ -10,6 +10,7 @@ from .layouts import QuantizedExperts, QuantizedWeight, SparseQuantizedWeight
 from .layouts.dense import pack_fp4_weights, quantize_weight
 from .model import QuantizationReport, quantize_model
 from .fused_projections import fuse_projections
+from .cpu_decoder import CpuDecoder
 from .quantize import register_quantizer
 from .hf import MarlinConfig, enable_transformers_integration, from_pretrained
 
@@ -19,9 +20,9 @@ __version__ = "0.1.0"
 enable_transformers_integration()
 
 __all__ = [
-    "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts", "MarlinExpertsLinear",
-    "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight", "SparseQuantizedWeight",
-    "cpu_int8_activations", "dequantize_reference", "enable_transformers_integration", "from_pretrained",
-    "fuse_projections", "pack_codes", "pack_fp4_weights", "quantize_experts", "quantize_model", "quantize_weight",
-    "quantized_linear", "register_quantizer", "unpack_codes",
+    "CpuDecoder", "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts",
+    "MarlinExpertsLinear", "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight",
+    "SparseQuantizedWeight", "cpu_int8_activations", "dequantize_reference", "enable_transformers_integration",
+    "from_pretrained", "fuse_projections", "pack_codes", "pack_fp4_weights", "quantize_experts", "quantize_model",
+    "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
 ]

@@ -28,14 +28,20 @@ void quantize_x_q8(const T* x, int64_t m, int64_t k, int64_t group_rows, Q8Order
         amax = fabsf(v[j]) > amax ? fabsf(v[j]) : amax;
       }
       const float d = amax / 127.f;
-      int32_t sum = 0;
+      int32_t q[kQ8Block] = {}, sum = 0;
+      if (d != 0.f) {
+        for (int j = 0; j < kQ8Block; ++j) {  // a vector loop: no libm call
+          // Round to nearest even: |v / d| <= 127 (up to rounding) is far below 2^22,
+          // where adding and taking away 1.5 * 2^23 rounds exactly as nearbyintf.
+          const float r = (v[j] / d + 12582912.f) - 12582912.f;
+          q[j] = r > 127.f ? 127 : r < -127.f ? -127 : static_cast<int32_t>(r);
+        }
+      }
       int8_t* dst = xq + i * k + b * kQ8Block;
       for (int j = 0; j < kQ8Block; ++j) {
-        const float r = d == 0.f ? 0.f : nearbyintf(v[j] / d);  // |v / d| <= 127 up to rounding
-        const int32_t q = r > 127.f ? 127 : r < -127.f ? -127 : static_cast<int32_t>(r);
-        sum += q;
+        sum += q[j];
         // kQuads: word row j / 8, its even K rows in the first quad, its odd rows in the second.
-        dst[order == Q8Order::kNatural ? j : (j & ~7) + (j & 1) * 4 + (j & 7) / 2] = static_cast<int8_t>(q);
+        dst[order == Q8Order::kNatural ? j : (j & ~7) + (j & 1) * 4 + (j & 7) / 2] = static_cast<int8_t>(q[j]);
       }
       scale[i * blocks + b] = d;
       group_sum += d * static_cast<float>(sum);

@@ -286,7 +286,7 @@ void gemv_stream(const GemmArgs& a, int64_t m0, int64_t n0, int64_t n1) {
   constexpr int x_per_word = Dot ? 4 : 8;  // 32-bit units of x per word row
   const int64_t cols = n1 - n0, padded_cols = (cols + kStrip - 1) / kStrip * kStrip;
   const int64_t word_rows = a.k / 8, group_words = a.group_rows / 8;
-  float* sums = new float[2 * padded_cols];
+  float* sums = a.scratch ? a.scratch : new float[2 * padded_cols];
   float *part = sums, *acc = sums + padded_cols;
   memset(acc, 0, padded_cols * sizeof(float));
   alignas(64) int32_t tail[kStrip];
@@ -334,7 +334,7 @@ void gemv_stream(const GemmArgs& a, int64_t m0, int64_t n0, int64_t n1) {
     }
   }
   memcpy(a.out + m0 * a.n + n0, acc, cols * sizeof(float));
-  delete[] sums;
+  if (!a.scratch) delete[] sums;
 }
 
 }  // namespace

@@ -167,8 +167,11 @@ vu q8_gemv(const typename L::Args& a, int64_t m0, int64_t m1, int64_t n0, int64_
   if constexpr (!Q8Decode<F>::kApplies) {
     return vu{};  // ops.cpp never asks (gemv_q8_applies)
   } else {
+    static_assert(3 * L::kBlockRows + 2 <= kGemvScratchRows, "gemv_scratch_floats is too small");
     const int64_t padded = (n1 - n0 + 64) / 64 * 64;
-    float* buffers = new float[(3 * L::kBlockRows + 2) * padded];
+    float* scratch = nullptr;
+    if constexpr (requires { a.scratch; }) scratch = a.scratch;  // the decode engine's, allocated once
+    float* buffers = scratch ? scratch : new float[(3 * L::kBlockRows + 2) * padded];
     vu bad = {};
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m, blocks = (left + L::kBlockRows - 1) / L::kBlockRows;
@@ -176,7 +179,7 @@ vu q8_gemv(const typename L::Args& a, int64_t m0, int64_t m1, int64_t n0, int64_
       with_rows<L::kBlockRows>(mr, [&]<int MR>() { bad |= q8_rows<F, MR, L>(a, m, n0, n1, buffers); });
       m += mr;
     }
-    delete[] buffers;
+    if (!scratch) delete[] buffers;
     return bad;
   }
 }

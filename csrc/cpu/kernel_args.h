@@ -35,6 +35,9 @@ struct GemmArgs {
   const float* q8_gsum;    // [m, groups]: sum over the group's blocks of dx * (sum of the block's xq)
   int64_t m, k, n, groups, group_rows;
   int format;
+  // gemv_q8 and the one-row gemv: their per-column sums for a call on n0:n1, at least
+  // gemv_scratch_floats(n1 - n0) floats; null: the kernel allocates them per call.
+  float* scratch;
 };
 
 // GemmArgs of the 2:4 layout (docs/FORMAT.md): `packed` = values [k / 16, n]
@@ -60,6 +63,13 @@ enum class Q8Order { kQuads, kNatural };
 constexpr int64_t kGemvBlockCols = 64;
 constexpr int64_t kGemmBlockCols = 64;
 constexpr int64_t kGemmBlockRows = 256;
+
+// Floats of GemmArgs::scratch for a gemv or gemv_q8 call on `cols` columns: up to
+// 3 * 4 rows of sums and 2 rows of scales/zeros (dense_gemv_q8.h; gemv_stream: 2 rows).
+constexpr int64_t kGemvScratchRows = 14;
+constexpr int64_t gemv_scratch_floats(int64_t cols) {
+  return kGemvScratchRows * ((cols + kGemvBlockCols) / kGemvBlockCols * kGemvBlockCols);
+}
 
 // Floats of scratch that gemm_tile needs for `rows` rows of x.
 constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + rows) * kGemmBlockCols; }
