@@ -96,12 +96,10 @@ inline vu rans_refill(RansLanes& d, vu x) {
 #if MARLIN_KERNEL_AVX512
   const vu w = (vu)_mm512_cvtepu16_epi32((__m256i)words);  // GCC's convertvector took three instructions
   return (vu)_mm512_mask_or_epi32((__m512i)x, need, (__m512i)(x << 16), _mm512_maskz_expand_epi32(need, (__m512i)w));
-#else
-  const vu w = __builtin_convertvector(words, vu);
-  typedef uint8_t vb __attribute__((vector_size(8)));
-  vb index;
-  memcpy(&index, &kExpand8.index[need], 8);
-  const vu expanded = (vu)__builtin_ia32_permvarsi256((vi)w, (vi)__builtin_convertvector(index, vu));
+#else  // vpmovzxwd / vpmovzxbd (GCC's convertvector and an 8-byte memcpy took five instructions)
+  const __m256i w = _mm256_cvtepu16_epi32((__m128i)words);
+  const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)&kExpand8.index[need]));
+  const vu expanded = (vu)_mm256_permutevar8x32_epi32(w, index);
   const vu refill = (vu)((vi)(x >> 16) == 0);
   return (x & ~refill) | (((x << 16) | expanded) & refill);
 #endif
