@@ -253,7 +253,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
   uint32_t bad = 0;
   int64_t loaded = -1;
   for (int64_t c = c0; c < c1; ++c) {
-    RansLanes d[kRansGemvBlocks];
+    RansLanes d[kRansGemvBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
     _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j)  // constant indices (here and below): d stays in registers
       if (j < blocks) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
     const int64_t k_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
@@ -350,7 +350,7 @@ struct RansTileFill {
   const RansTable<Lookup> table;
   int64_t nb;
   int blocks;             // column blocks of the tile inside N (1 or 2)
-  RansLanes d[kBlocks];
+  RansLanes d[kBlocks] = {};
   int64_t chunk_end = 0;  // K row where the current chunk ends
   int64_t group = -1;
   uint32_t bad = 0;
@@ -384,7 +384,7 @@ struct RansTileFill {
   void operator()(int64_t k0, int64_t rows, float* tile) {
     const GemmArgs& g = a.gemm;
     const int64_t cols = a.n - nb < kTileCols ? a.n - nb : kTileCols;
-    RansLanes lanes[kBlocks];
+    RansLanes lanes[kBlocks] = {};
     for (int j = 0; j < kBlocks; ++j) lanes[j] = d[j];
     vf values[kTileCols / kLanes];
     for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
