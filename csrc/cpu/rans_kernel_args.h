@@ -50,8 +50,9 @@ inline int64_t rans_slot_table_size(int prob_bits) {
 // builds' lookup in registers: from the first symbol of the slot's bucket
 // (kRansBuckets buckets of equal width), a binary search of the slot among
 // the next 2^levels cums, then entry = s | freq << 16. symbols 0 (the slot
-// table serves): more than kRansRegisterSymbols of them, or prob_bits outside
-// [kRansBucketBits, kRansPackedProbBits]. Unused entries have cum 2^16, above every slot.
+// table serves): more than kRansRegisterSymbols of them, a search of more than
+// kRansMaxLevels halvings, or prob_bits outside [kRansBucketBits,
+// kRansPackedProbBits]. Unused entries have cum 2^16, above every slot.
 constexpr int kRansRegisterSymbols = 32;
 constexpr int kRansBucketBits = 6;
 constexpr int kRansBuckets = 1 << kRansBucketBits;
