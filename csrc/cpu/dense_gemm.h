@@ -52,8 +52,10 @@ void dequant_tile(const GemmArgs& a, int64_t k0, int64_t rows, int64_t nb, float
 
 // acc[0:MR, col:col+2*kLanes] += x[0:MR, k0:k0+rows] @ tile[:, col:col+2*kLanes]
 // (acc row stride kTileCols, x row stride K).
+// Never inlined: inlined into a large caller (the rans tile GEMM on AVX2) it
+// kept its accumulators in memory, 1.5x slower.
 template <int MR>
-inline void micro_kernel(const float* x, int64_t ldx, int64_t rows, const float* tile, int col, float* acc) {
+[[gnu::noinline]] void micro_kernel(const float* x, int64_t ldx, int64_t rows, const float* tile, int col, float* acc) {
   vf c[MR][2];
   for (int i = 0; i < MR; ++i) {
     c[i][0] = load(acc + i * kTileCols + col);

@@ -46,11 +46,64 @@ inline int64_t rans_slot_table_size(int prob_bits) {
   return (int64_t(1) << prob_bits) * (prob_bits <= kRansPackedProbBits ? 1 : 2);
 }
 
+// The symbols of nonzero frequency in symbol (so cum) order, for the AVX-512
+// builds' lookup in registers: from the first symbol of the slot's bucket
+// (kRansBuckets buckets of equal width), a binary search of the slot among
+// the next 2^levels cums, then entry = s | freq << 16. symbols 0 (the slot
+// table serves): more than kRansRegisterSymbols of them, a search of more than
+// kRansMaxLevels halvings, or prob_bits outside [kRansBucketBits,
+// kRansPackedProbBits]. Unused entries have cum 2^16, above every slot.
+constexpr int kRansRegisterSymbols = 32;
+constexpr int kRansBucketBits = 6;
+constexpr int kRansBuckets = 1 << kRansBucketBits;
+constexpr int kRansMaxLevels = 2;
+struct RansRegisterTable {
+  int symbols, levels;
+  uint32_t cum[kRansRegisterSymbols];
+  uint32_t entry[kRansRegisterSymbols];
+  uint16_t bucket_first[kRansBuckets];
+};
+
+inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int symbols, int prob_bits) {
+  RansRegisterTable t{};
+  if (prob_bits < kRansBucketBits || prob_bits > kRansPackedProbBits) return t;
+  for (int i = 0; i < kRansRegisterSymbols; ++i) t.cum[i] = 1u << 16;
+  uint32_t cum = 0;
+  for (int sym = 0; sym < symbols; ++sym) {
+    if (!freqs[sym]) continue;
+    if (t.symbols == kRansRegisterSymbols) return RansRegisterTable{};
+    t.cum[t.symbols] = cum;
+    t.entry[t.symbols++] = uint32_t(sym) | uint32_t(freqs[sym]) << 16;
+    cum += freqs[sym];
+  }
+  // The symbol index of each bucket's first and last slot: the search must span their difference.
+  auto index_of = [&](uint32_t slot) {
+    int i = 0;
+    while (i + 1 < t.symbols && t.cum[i + 1] <= slot) ++i;
+    return i;
+  };
+  const int width = 1 << (prob_bits - kRansBucketBits);
+  int span = 1;
+  for (int b = 0; b < kRansBuckets; ++b) {
+    const int first = index_of(uint32_t(b * width)), last = index_of(uint32_t((b + 1) * width - 1));
+    t.bucket_first[b] = uint16_t(first);
+    if (last - first + 1 > span) span = last - first + 1;
+  }
+  while ((1 << t.levels) < span) ++t.levels;
+  // Longer searches (symbols of small frequencies next to each other) were slower than the gather.
+  if (t.levels > kRansMaxLevels) return RansRegisterTable{};
+  // The search must not run past entry 31: starting lower is as good, the cums being sorted.
+  for (uint16_t& first : t.bucket_first)
+    if (first + (1 << t.levels) > kRansRegisterSymbols) first = uint16_t(kRansRegisterSymbols - (1 << t.levels));
+  return t;
+}
+
 struct RansArgs {
   const uint16_t* words;        // [W]: the chunks' 16-bit words, one after another
   const int32_t* word_offsets;  // [chunks + 1]
   const uint32_t* states;       // [chunks, 32]: initial state of each lane
   const uint32_t* table;        // the slot table
+  RansRegisterTable registers;  // its symbols, if few
   int prob_bits;
   int kind;                     // a WeightFormat (lossless) or kRansGrid
   int64_t k, n, chunk_k, kchunks, blocks;

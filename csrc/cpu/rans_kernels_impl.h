@@ -93,14 +93,13 @@ inline vu rans_refill(RansLanes& d, vu x) {
     }
   }
   d.ptr += count;
-  const vu w = __builtin_convertvector(words, vu);
 #if MARLIN_KERNEL_AVX512
+  const vu w = (vu)_mm512_cvtepu16_epi32((__m256i)words);  // GCC's convertvector took three instructions
   return (vu)_mm512_mask_or_epi32((__m512i)x, need, (__m512i)(x << 16), _mm512_maskz_expand_epi32(need, (__m512i)w));
-#else
-  typedef uint8_t vb __attribute__((vector_size(8)));
-  vb index;
-  memcpy(&index, &kExpand8.index[need], 8);
-  const vu expanded = (vu)__builtin_ia32_permvarsi256((vi)w, (vi)__builtin_convertvector(index, vu));
+#else  // vpmovzxwd / vpmovzxbd (GCC's convertvector and an 8-byte memcpy took five instructions)
+  const __m256i w = _mm256_cvtepu16_epi32((__m128i)words);
+  const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)&kExpand8.index[need]));
+  const vu expanded = (vu)_mm256_permutevar8x32_epi32(w, index);
   const vu refill = (vu)((vi)(x >> 16) == 0);
   return (x & ~refill) | (((x << 16) | expanded) & refill);
 #endif
@@ -131,24 +130,79 @@ inline vu rans_gather(const uint32_t* table, vu index) {
 #endif
 }
 
-// One step of every lane: sym[v] = the symbols of lanes v * kLanes ...
-template <bool Packed>
-inline void rans_step(RansLanes& d, const uint32_t* table, int prob_bits, vu* sym) {
-  const uint32_t mask = (1u << prob_bits) - 1;
-  for (int v = 0; v < kRansVectors; ++v) {
-    const vu x = d.x[v], slot = x & mask;
+// Where a step looks its slots up: the packed slot table, its two arrays
+// (prob_bits above kRansPackedProbBits), or (AVX-512, few symbols) registers.
+enum RansLookup { kLookupTwoTables, kLookupPacked, kLookupRegisters };
+
+template <int Lookup>
+struct RansTable {
+  const uint32_t* table;
+  int prob_bits;
+#if MARLIN_KERNEL_AVX512
+  __m512i cum_low, cum_high, entry_low, entry_high, first_low, first_high;
+  int bucket_shift, first_half;
+#endif
+
+  explicit RansTable(const RansArgs& a) : table(a.table), prob_bits(a.prob_bits) {
+#if MARLIN_KERNEL_AVX512
+    if constexpr (Lookup == kLookupRegisters) {
+      const RansRegisterTable& r = a.registers;
+      cum_low = _mm512_loadu_si512(r.cum);
+      cum_high = _mm512_loadu_si512(r.cum + 16);
+      entry_low = _mm512_loadu_si512(r.entry);
+      entry_high = _mm512_loadu_si512(r.entry + 16);
+      first_low = _mm512_loadu_si512(r.bucket_first);
+      first_high = _mm512_loadu_si512(r.bucket_first + 32);
+      bucket_shift = a.prob_bits - kRansBucketBits;
+      first_half = (1 << r.levels) >> 1;
+    }
+#endif
+  }
+
+  // Symbol, freq and slot - cum of each lane's slot.
+  void lookup(vu slot, vu& sym, vu& freq, vu& bias) const {
+#if MARLIN_KERNEL_AVX512
+    if constexpr (Lookup == kLookupRegisters) {
+      // The last cum at or below the slot, searched from its bucket's first
+      // symbol (vpermi2w on the 64 of them; the high word of each lane zeroed);
+      // the gathers this replaces were the decode's slowest part.
+      const __m512i s = (__m512i)slot;
+      __m512i index = _mm512_maskz_permutex2var_epi16(0x55555555u, first_low, (__m512i)(slot >> bucket_shift), first_high);
+      for (int half = first_half; half; half >>= 1) {
+        const __m512i try_index = _mm512_add_epi32(index, _mm512_set1_epi32(half));
+        const __m512i cum = _mm512_permutex2var_epi32(cum_low, try_index, cum_high);
+        index = _mm512_mask_mov_epi32(index, _mm512_cmpge_epu32_mask(s, cum), try_index);
+      }
+      const vu e = (vu)_mm512_permutex2var_epi32(entry_low, index, entry_high);
+      sym = e & 0xFFFF;
+      freq = e >> 16;
+      bias = slot - (vu)_mm512_permutex2var_epi32(cum_low, index, cum_high);
+      return;
+    }
+#endif
     const vu e = rans_gather(table, slot);
-    vu freq, bias;
-    if constexpr (Packed) {
-      sym[v] = e & 0xFF;
-      bias = (e >> 8) & 0xFFF;
-      freq = (e >> 20) + 1;
-    } else {
+    if constexpr (Lookup == kLookupTwoTables) {
       freq = e & 0xFFFF;
       bias = e >> 16;
-      sym[v] = rans_gather(table + (size_t(1) << prob_bits), slot);
+      sym = rans_gather(table + (size_t(1) << prob_bits), slot);
+    } else {
+      sym = e & 0xFF;
+      bias = (e >> 8) & 0xFFF;
+      freq = (e >> 20) + 1;
     }
-    d.x[v] = rans_refill(d, freq * (x >> prob_bits) + bias);
+  }
+};
+
+// One step of every lane: sym[v] = the symbols of lanes v * kLanes ...
+template <int Lookup>
+inline void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
+  const uint32_t mask = (1u << t.prob_bits) - 1;
+#pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
+  for (int v = 0; v < kRansVectors; ++v) {
+    const vu x = d.x[v];
+    vu freq, bias;
+    t.lookup(x & mask, sym[v], freq, bias);
+    d.x[v] = rans_refill(d, freq * (x >> t.prob_bits) + bias);
   }
 }
 
@@ -181,7 +235,7 @@ inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t col
 constexpr int kRansGemvBlocks = 2;
 constexpr int kRansGemvVectors = kRansGemvBlocks * kRansVectors;
 
-template <int Kind, bool Packed, bool Dot, int MR>
+template <int Kind, int Lookup, bool Dot, int MR>
 uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int blocks, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   constexpr int F = Kind;  // has_zeros / zeros_are_bias: false for the grid
@@ -195,11 +249,13 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
   vf acc[MR][kRansGemvVectors], part[MR][kRansGemvVectors];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < kRansGemvVectors; ++v) acc[i][v] = part[i][v] = vf{};
+  const RansTable<Lookup> table(a);
   uint32_t bad = 0;
   int64_t loaded = -1;
   for (int64_t c = c0; c < c1; ++c) {
-    RansLanes d[kRansGemvBlocks];
-    for (int j = 0; j < blocks; ++j) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
+    RansLanes d[kRansGemvBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
+    _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j)  // constant indices (here and below): d stays in registers
+      if (j < blocks) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
     const int64_t k_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
     for (int64_t k = c * a.chunk_k; k < k_end;) {
       const int64_t group = k / g.group_rows, group_end = (group + 1) * g.group_rows;
@@ -210,16 +266,16 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
       }
       for (; k < seg_end; k += Dot ? 2 : 1) {
         vf value[kRansGemvVectors];
-        for (int j = 0; j < kRansGemvBlocks; ++j) {
+        _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
           vu sym[kRansVectors];
-          if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+          if (j < blocks) rans_step(d[j], table, sym);
           for (int v = 0; v < kRansVectors; ++v) value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
         }
 #if MARLIN_KERNEL_BF16_DOT
         if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
-          for (int j = 0; j < kRansGemvBlocks; ++j) {
+          _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
             vu sym[kRansVectors];
-            if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+            if (j < blocks) rans_step(d[j], table, sym);
             for (int v = 0; v < kRansVectors; ++v) {
               const vf second = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
               vf& first = value[j * kRansVectors + v];
@@ -249,7 +305,8 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         }
       }
     }
-    for (int j = 0; j < blocks; ++j) bad |= rans_finish(d[j]);
+    for (int j = 0; j < kRansGemvBlocks; ++j)
+      if (j < blocks) bad |= rans_finish(d[j]);
   }
   for (int i = 0; i < rows; ++i)
     for (int v = 0; v < blocks * kRansVectors; ++v) store(out + i * ldo + v * kLanes, acc[i][v]);
@@ -258,7 +315,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
 
 // Up to 8 rows (kGemvMaxRows) share each decoded symbol: register blocks of
 // 1, 2, 4 or 8 rows (a block's spare rows repeat its last row).
-template <int Kind, bool Packed, bool Dot>
+template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   uint32_t bad = 0;
@@ -268,13 +325,13 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
       const int rows = int(m1 - m < kMaxRows ? m1 - m : kMaxRows);
       float* o = out + (m - m0) * ldo + (b - b0) * kRansBlockCols;
       if (rows == 1)
-        bad |= rans_gemv_rows<Kind, Packed, Dot, 1>(a, m, rows, b, blocks, c0, c1, o, ldo);
+        bad |= rans_gemv_rows<Kind, Lookup, Dot, 1>(a, m, rows, b, blocks, c0, c1, o, ldo);
       else if (rows == 2)
-        bad |= rans_gemv_rows<Kind, Packed, Dot, 2>(a, m, rows, b, blocks, c0, c1, o, ldo);
+        bad |= rans_gemv_rows<Kind, Lookup, Dot, 2>(a, m, rows, b, blocks, c0, c1, o, ldo);
       else if (rows <= 4)
-        bad |= rans_gemv_rows<Kind, Packed, Dot, 4>(a, m, rows, b, blocks, c0, c1, o, ldo);
+        bad |= rans_gemv_rows<Kind, Lookup, Dot, 4>(a, m, rows, b, blocks, c0, c1, o, ldo);
       else
-        bad |= rans_gemv_rows<Kind, Packed, Dot, 8>(a, m, rows, b, blocks, c0, c1, o, ldo);
+        bad |= rans_gemv_rows<Kind, Lookup, Dot, 8>(a, m, rows, b, blocks, c0, c1, o, ldo);
     }
   }
   return bad;
@@ -285,37 +342,41 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 // fill decodes from the chunks of column blocks nb / 32 and nb / 32 + 1, one
 // tile row after the other (the lanes' states carry over between tiles).
 
-template <int Kind, bool Packed, bool Dot>
+template <int Kind, int Lookup, bool Dot>
 struct RansTileFill {
   static constexpr int F = Kind;
   static constexpr int kBlocks = kTileCols / kRansBlockCols;
   const RansArgs& a;
+  const RansTable<Lookup> table;
   int64_t nb;
   int blocks;             // column blocks of the tile inside N (1 or 2)
-  RansLanes d[kBlocks];
+  RansLanes d[kBlocks] = {};
   int64_t chunk_end = 0;  // K row where the current chunk ends
   int64_t group = -1;
   uint32_t bad = 0;
   alignas(64) float scale[kTileCols], zero[kTileCols];
 
-  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), nb(nb_) {
+  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), table(args), nb(nb_) {
     const int64_t b0 = nb / kRansBlockCols;
     blocks = int(a.blocks - b0 < kBlocks ? a.blocks - b0 : kBlocks);
   }
 
-  // The decoded values of the tile's columns at the next K row k.
-  void step(int64_t k, vf* values) {
+  // The decoded values of the tile's columns at the next K row k. The lanes
+  // are the caller's local copy of d, indexed by constants only (every loop
+  // over blocks unrolls), so that they live in registers.
+  void step(RansLanes* lanes, int64_t k, vf* values) {
     if (k == chunk_end) {
       const int64_t c = k / a.chunk_k;
-      for (int j = 0; j < blocks; ++j) {
-        if (c > 0) bad |= rans_finish(d[j]);
-        rans_start(a, (nb / kRansBlockCols + j) * a.kchunks + c, d[j]);
+      _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
+        if (j >= blocks) continue;
+        if (c > 0) bad |= rans_finish(lanes[j]);
+        rans_start(a, (nb / kRansBlockCols + j) * a.kchunks + c, lanes[j]);
       }
       chunk_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
     }
-    for (int j = 0; j < kBlocks; ++j) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
       vu sym[kRansVectors];
-      if (j < blocks) rans_step<Packed>(d[j], a.table, a.prob_bits, sym);
+      if (j < blocks) rans_step(lanes[j], table, sym);
       for (int v = 0; v < kRansVectors; ++v) values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
     }
   }
@@ -323,14 +384,16 @@ struct RansTileFill {
   void operator()(int64_t k0, int64_t rows, float* tile) {
     const GemmArgs& g = a.gemm;
     const int64_t cols = a.n - nb < kTileCols ? a.n - nb : kTileCols;
+    RansLanes lanes[kBlocks] = {};
+    for (int j = 0; j < kBlocks; ++j) lanes[j] = d[j];
     vf values[kTileCols / kLanes];
     for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
       const int64_t k = k0 + r;
-      step(k, values);
+      step(lanes, k, values);
 #if MARLIN_KERNEL_BF16_DOT
       if constexpr (Dot) {  // pair row r / 2: K rows k, k + 1 (the scale is applied per group by gemm_tiles_dot)
         vf second[kTileCols / kLanes];
-        step(k + 1, second);
+        step(lanes, k + 1, second);
         for (int q = 0; q < kTileCols / kLanes; ++q)
           store(tile + r / 2 * kTileCols + q * kLanes,
                 (vf)(((vu)values[q] >> 16) | ((vu)second[q] & 0xFFFF0000u)));
@@ -346,14 +409,15 @@ struct RansTileFill {
         store(tile + r * kTileCols + q * kLanes, group_weight<F>(values[q], load(scale + q * kLanes), z));
       }
     }
+    for (int j = 0; j < kBlocks; ++j) d[j] = lanes[j];
     if (k0 + rows == a.k)
       for (int j = 0; j < blocks; ++j) bad |= rans_finish(d[j]);
   }
 };
 
-template <int Kind, bool Packed, bool Dot>
+template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  RansTileFill<Kind, Packed, Dot> fill(a, nb);
+  RansTileFill<Kind, Lookup, Dot> fill(a, nb);
   auto f = [&](int64_t k0, int64_t rows, float* tile) { fill(k0, rows, tile); };
 #if MARLIN_KERNEL_BF16_DOT
   if constexpr (Dot) {
@@ -366,16 +430,34 @@ uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t 
 }
 
 // ---------------------------------------------------------------------------
-// Entry points: the kind (and table packing, and x's type) dispatched once.
+// Entry points: the kind (and lookup, and x's type) dispatched once.
+
+// The lookup of rans_kernel_args.h's tables this build and these symbols take.
+inline int rans_lookup(const RansArgs& a) {
+  if (MARLIN_KERNEL_AVX512 && a.registers.symbols) return kLookupRegisters;
+  return a.prob_bits <= kRansPackedProbBits ? kLookupPacked : kLookupTwoTables;
+}
+
+template <class Body>
+inline uint32_t with_rans_lookup(const RansArgs& a, Body&& body) {
+  switch (rans_lookup(a)) {
+#if MARLIN_KERNEL_AVX512
+    case kLookupRegisters: return body.template operator()<kLookupRegisters>();
+#endif
+    case kLookupPacked: return body.template operator()<kLookupPacked>();
+    default: return body.template operator()<kLookupTwoTables>();
+  }
+}
 
 template <class Body>
 inline uint32_t with_rans_kind(const RansArgs& a, bool dot, Body&& body) {
-  const bool packed = a.prob_bits <= kRansPackedProbBits;
   auto on_kind = [&]<int Kind>() -> uint32_t {
+    return with_rans_lookup(a, [&]<int Lookup>() -> uint32_t {
 #if MARLIN_KERNEL_BF16_DOT
-    if (dot) return packed ? body.template operator()<Kind, true, true>() : body.template operator()<Kind, false, true>();
+      if (dot) return body.template operator()<Kind, Lookup, true>();
 #endif
-    return packed ? body.template operator()<Kind, true, false>() : body.template operator()<Kind, false, false>();
+      return body.template operator()<Kind, Lookup, false>();
+    });
   };
   if (a.kind == kRansGrid) return on_kind.template operator()<kRansGrid>();
   return with_format(a.kind, on_kind);
@@ -383,26 +465,27 @@ inline uint32_t with_rans_kind(const RansArgs& a, bool dot, Body&& body) {
 
 uint32_t rans_gemv(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
                    float* out, int64_t ldo) {
-  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, bool Packed, bool Dot>() {
-    return rans_gemv_kind<Kind, Packed, Dot>(a, m0, m1, b0, b1, c0, c1, out, ldo);
+  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, int Lookup, bool Dot>() {
+    return rans_gemv_kind<Kind, Lookup, Dot>(a, m0, m1, b0, b1, c0, c1, out, ldo);
   });
 }
 
 uint32_t rans_gemm_tile(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, bool Packed, bool Dot>() {
-    return rans_gemm_tile_kind<Kind, Packed, Dot>(a, m0, m1, nb, scratch);
+  return with_rans_kind(a, a.gemm.x_bf16 != nullptr, [&]<int Kind, int Lookup, bool Dot>() {
+    return rans_gemm_tile_kind<Kind, Lookup, Dot>(a, m0, m1, nb, scratch);
   });
 }
 
-template <bool Packed>
+template <int Lookup>
 uint32_t rans_decode_chunk_impl(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
+  const RansTable<Lookup> table(a);
   RansLanes d;
   rans_start(a, c, d);
   const int64_t k0 = (c % a.kchunks) * a.chunk_k, k1 = k0 + a.chunk_k < a.k ? k0 + a.chunk_k : a.k;
   alignas(64) uint32_t row[kRansBlockCols];
   for (int64_t k = k0; k < k1; ++k) {
     vu sym[kRansVectors];
-    rans_step<Packed>(d, a.table, a.prob_bits, sym);
+    rans_step(d, table, sym);
     for (int v = 0; v < kRansVectors; ++v) store_u(row + v * kLanes, sym[v]);
     for (int64_t l = 0; l < cols; ++l) out[(k - k0) * ldo + l] = uint8_t(row[l]);
   }
@@ -410,6 +493,5 @@ uint32_t rans_decode_chunk_impl(const RansArgs& a, int64_t c, uint8_t* out, int6
 }
 
 uint32_t rans_decode_chunk(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
-  return a.prob_bits <= kRansPackedProbBits ? rans_decode_chunk_impl<true>(a, c, out, ldo, cols)
-                                            : rans_decode_chunk_impl<false>(a, c, out, ldo, cols);
+  return with_rans_lookup(a, [&]<int Lookup>() { return rans_decode_chunk_impl<Lookup>(a, c, out, ldo, cols); });
 }

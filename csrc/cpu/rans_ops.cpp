@@ -41,8 +41,10 @@ std::vector<uint32_t> slot_table(const at::Tensor& freqs, const RansShape& s) {
 }
 
 RansArgs make_rans_args(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
-                        const std::vector<uint32_t>& table, const RansShape& s) {
+                        const at::Tensor& freqs, const std::vector<uint32_t>& table, const RansShape& s) {
   RansArgs a{};
+  a.registers = build_rans_register_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()),
+                                          int(s.symbols), int(s.prob_bits));
   a.words = reinterpret_cast<const uint16_t*>(words.data_ptr<int16_t>());
   a.word_offsets = word_offsets.data_ptr<int32_t>();
   a.states = reinterpret_cast<const uint32_t*>(states.data_ptr<int32_t>());
@@ -62,7 +64,7 @@ at::Tensor rans_decode_cpu(const at::Tensor& words, const at::Tensor& word_offse
   check_cpu(words, "words");
   check_rans_contents(words, word_offsets, states, freqs, s);
   const std::vector<uint32_t> table = slot_table(freqs, s);
-  const RansArgs a = make_rans_args(words, word_offsets, states, table, s);
+  const RansArgs a = make_rans_args(words, word_offsets, states, freqs, table, s);
   const RansKernels& kern = rans_kernels();
   at::Tensor out = at::empty({K, N}, words.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -119,7 +121,7 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
   check_cpu(words, "words");
   check_rans_contents(words, word_offsets, states, freqs, s);
   const std::vector<uint32_t> table = slot_table(freqs, s);
-  RansArgs a = make_rans_args(words, word_offsets, states, table, s);
+  RansArgs a = make_rans_args(words, word_offsets, states, freqs, table, s);
   a.kind = int(r.groups.format);  // kRansGrid for the grid
 
   const RansKernels& kern = rans_kernels();

@@ -117,6 +117,8 @@ Streams encode(const std::vector<int>& codes, int64_t k, int64_t n, int64_t chun
 struct Case {
   int kind, prob_bits;
   int64_t m, k, n, chunk_k, group_size;  // group_size -1: one group
+  int used = 0;  // codes in [0, used) only, each at least once (0: every symbol possible)
+  bool flat = false;  // codes uniform in [0, used): few symbols per bucket, the AVX-512 lookup in registers
 };
 
 int failures = 0;
@@ -131,10 +133,12 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   const int64_t rows = cs.group_size == -1 ? k : cs.group_size, groups = k / rows;
   const bool zeros = marlin::has_zeros(marlin::WeightFormat(cs.kind));
   std::vector<int> codes(k * n);
-  for (int& c : codes) {  // peaked around the middle, every symbol possible
-    const double u = uniform() + uniform() + uniform() - 1.5;
-    c = std::min(symbols - 1, std::max(0, int(symbols / 2 + u * symbols / 5)));
+  const int spread = cs.used ? cs.used : symbols;
+  for (int& c : codes) {  // peaked around the middle, or flat
+    const double u = cs.flat ? uniform() - 0.5 : uniform() + uniform() + uniform() - 1.5;
+    c = std::min(spread - 1, std::max(0, int(spread / 2 + u * (cs.flat ? spread : spread / 5))));
   }
+  for (int i = 0; i < cs.used; ++i) codes[i * 7] = i;
   std::vector<uint16_t> scales(groups * n), zero(groups * n);
   for (auto& s : scales) s = half_bits(0.001 + 0.02 * uniform());
   for (auto& z : zero) z = half_bits(0.5 + 14 * uniform());
@@ -162,6 +166,8 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   a.word_offsets = st.offsets.data();
   a.states = st.states.data();
   a.table = table.data();
+  a.registers = build_rans_register_table(st.freqs.data(), symbols, cs.prob_bits);
+  if (cs.flat && !a.registers.symbols) fail(std::to_string(cs.used) + " flat symbols have no register table");
   a.prob_bits = cs.prob_bits;
   a.kind = cs.kind;
   a.k = k;
@@ -241,6 +247,8 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   }
 
   // Corruptions: a bit flipped in one chunk's words, then the last chunk cut short.
+  // (Equal freqs of a power-of-two count code raw bits: every stream is well formed.)
+  if (cs.flat && (cs.used & (cs.used - 1)) == 0) return;
   const int64_t c = chunks / 2, w0 = st.offsets[c], w1 = st.offsets[c + 1];
   if (w1 > w0) {
     words[(w0 + w1) / 2] ^= 1 << 3;
@@ -268,6 +276,18 @@ int main() {
     cases.push_back({kind, 12, 8, 128, 96, 128, -1});
     cases.push_back({kind, 15, 17, 320, 65, 128, grid ? -1 : 64});
   }
+  // The grid with as many symbols as AVX-512 looks up in registers, and one more;
+  // flat codes, whose lookup is in registers (and fewer: a bucket search of 0 to 2 halvings).
+  for (int used : {kRansRegisterSymbols, kRansRegisterSymbols + 1}) {
+    cases.push_back({kRansGrid, 12, 1, 200, 70, 64, -1, used});
+    cases.push_back({kRansGrid, 12, 9, 256, 65, 128, -1, used});
+  }
+  for (int used : {kRansRegisterSymbols, 24, 7}) {
+    cases.push_back({kRansGrid, 12, 2, 256, 70, 64, -1, used, true});
+    cases.push_back({kRansGrid, 10, 12, 256, 97, 128, -1, used, true});
+  }
+  cases.push_back({0, 12, 1, 256, 70, 64, 64, 15, true});
+  cases.push_back({0, 12, 16, 256, 70, 96, 64, 15, true});
   for (const std::string& name : kernel_build_names()) {
     const std::string why = unsupported_reason(name);
     if (!why.empty()) {
