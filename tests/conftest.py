@@ -83,3 +83,24 @@ def child_pytest(terminal):
         return proc.returncode, text
 
     return run
+
+
+@pytest.fixture(scope="session")
+def rerun_under_build(child_pytest):
+    """run(build, label, args): `pytest -q args` again in a child process forced onto one
+    CPU kernel build (TORCH_MARLIN_CPU_KERNELS); skips a build this CPU cannot run and
+    the one this process runs (the tests themselves ran it)."""
+    import json
+
+    def run(build, label, args):
+        info = json.loads(torch.ops.marlin._cpu_kernels())
+        if info["builds"][build]:
+            pytest.skip(f"{build}: {info['builds'][build]}")
+        if build == info["selected"]:
+            pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
+        env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
+        returncode, output = child_pytest(f"{label} under the {build} build", args, env, timeout=900)
+        assert returncode == 0, output[-6000:]
+        assert " passed" in output and " failed" not in output
+
+    return run

@@ -3,7 +3,6 @@ against transformers' own forward of the same model, with the same MarlinLinear 
 logits of every step, greedy generate, and the refusals."""
 
 import json
-import os
 
 import pytest
 import torch
@@ -269,14 +268,5 @@ def cpu_kernels():
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
-def test_every_kernel_build(build, child_pytest):
-    info = cpu_kernels()
-    if info["builds"][build]:
-        pytest.skip(f"{build}: {info['builds'][build]}")
-    if build == info["selected"]:
-        pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
-    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    returncode, output = child_pytest(f"test_cpu_decoder.py under the {build} build",
-                                      [__file__, "-k", " or ".join(BUILD_TESTS)], env, timeout=900)
-    assert returncode == 0, output[-6000:]
-    assert " passed" in output and " failed" not in output
+def test_every_kernel_build(build, rerun_under_build):
+    rerun_under_build(build, "test_cpu_decoder.py", [__file__, "-k", " or ".join(BUILD_TESTS)])

@@ -199,20 +199,12 @@ REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
-def test_kernel_build_matches_reference(build, child_pytest):
+def test_kernel_build_matches_reference(build, rerun_under_build):
     """Each build this CPU runs (avx512_bf16, avx512, avx2, generic on x86), forced by
     environment variable, dense and 2:4 ops, int8 activations; the aarch64 builds run under qemu in
     test_cpu_kernels_aarch64.py."""
-    info = cpu_kernels()
-    if info["builds"][build]:
-        pytest.skip(f"{build}: {info['builds'][build]}")
-    if build == info["selected"]:
-        pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
-    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    label = f"test_ops.py, test_sparse24.py, test_int8_activations.py reference tests under the {build} build"
-    returncode, output = child_pytest(label, [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
-    assert returncode == 0, output[-6000:]
-    assert " passed" in output and " failed" not in output
+    rerun_under_build(build, "test_ops.py, test_sparse24.py, test_int8_activations.py reference tests",
+                      [*REFERENCE_FILES, "-k", " or ".join(REFERENCE_TESTS)])
 
 
 INT8_FILE = str(Path(__file__).with_name("test_int8_activations.py"))

@@ -6,7 +6,6 @@ bit for bit). Every kernel build this CPU runs is checked by rerunning the
 tests below in a child process with TORCH_MARLIN_CPU_KERNELS set."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -385,19 +384,10 @@ def cpu_kernels():
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))
-def test_kernel_build_matches_reference(build, child_pytest):
+def test_kernel_build_matches_reference(build, rerun_under_build):
     """Each build this CPU runs, forced by environment variable; the aarch64 builds run
     under qemu in test_cpu_kernels_aarch64.py."""
-    info = cpu_kernels()
-    if info["builds"][build]:
-        pytest.skip(f"{build}: {info['builds'][build]}")
-    if build == info["selected"]:
-        pytest.skip(f"{build}: the build this run uses (the tests above ran it)")
-    env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build)
-    returncode, output = child_pytest(f"test_rans_ops.py under the {build} build",
-                                      [__file__, "-k", " or ".join(REFERENCE_TESTS)], env, timeout=900)
-    assert returncode == 0, output[-6000:]
-    assert " passed" in output and " failed" not in output
+    rerun_under_build(build, "test_rans_ops.py", [__file__, "-k", " or ".join(REFERENCE_TESTS)])
 
 
 # --- fake kernels, autograd, torch.compile (registered by torch_marlin/layouts/rans.py) ----
