@@ -233,6 +233,10 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=8)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="torch_marlin's activation dtype")
+    parser.add_argument("--only", nargs="*", default=[],
+                        help="parts of variant names to run, e.g. 'llama.cpp' or 'engine, int8': "
+                             "llama.cpp's OpenMP runtime and torch's are two, and in one process each one's "
+                             "threads may spin while the other's work; run each alone, alternating, to see that")
     parser.add_argument("--json", default="bench_llamacpp.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -291,6 +295,10 @@ def main() -> None:
                 with torch_marlin.cpu_int8_activations(int8):
                     return engine_steps(decoder, prompt, args.new_tokens, clock)
             variants[f"marlin engine, {'int8' if int8 else 'float32'} x"] = run_engine
+    if args.only:
+        variants = {v: fn for v, fn in variants.items() if any(part in v for part in args.only)}
+        if not variants:
+            raise SystemExit(f"--only {' '.join(args.only)!r} matches no variant")
     steps = {v: [] for v in variants}
     gemv = {v: [] for v in variants}
     for fn in variants.values():  # warm-up
