@@ -40,7 +40,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 import torch
