@@ -87,7 +87,8 @@ RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, cons
                               const std::string& weight_format, int64_t K, int64_t chunk_k, int64_t prob_bits,
                               int64_t group_size) {
   RansGemmShape r{};
-  r.grid = weight_format == "grid";
+  const bool tcq = weight_format == "tcq";
+  r.grid = tcq || weight_format == "grid";
   std::string names;
   bool known = r.grid;
   for (int i = 0; i < kNumWeightFormats; ++i) {
@@ -95,7 +96,7 @@ RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, cons
     known |= weight_format == name;
     names += std::string(i ? ", '" : "'") + name + "'";
   }
-  TORCH_CHECK_VALUE(known, "weight_format must be 'grid' or a value format (", names, "), got '", weight_format, "'");
+  TORCH_CHECK_VALUE(known, "weight_format must be 'grid', 'tcq' or a value format (", names, "), got '", weight_format, "'");
   TORCH_CHECK(scales.dim() == 2, "scales must be 2-D [", r.grid ? "1" : "K/group_size", ", N], got shape ",
               scales.sizes());
   const int64_t n = scales.size(1);
@@ -105,11 +106,11 @@ RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, cons
                     weight_format, "', got ", freqs.sizes());
   if (r.grid) {
     TORCH_CHECK_VALUE(group_size == K || group_size == -1,
-                      "group_size must be K = ", K, " (or -1) for weight_format='grid' (one step per column), got ",
-                      group_size);
-    TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='grid'");
-    // One group, no zeros: the grid's number (csrc/cpu/rans_kernel_args.h) has no zeros.
-    r.groups = check_groups(kRansGridFormat, K, scales, "scales", "the argument K", scales, zeros, weight_format, -1);
+                      "group_size must be K = ", K, " (or -1) for weight_format='", weight_format,
+                      "' (one step per column), got ", group_size);
+    TORCH_CHECK_VALUE(!zeros.has_value(), "zeros must be None for weight_format='", weight_format, "'");
+    // One group, no zeros: the grid's numbers (csrc/cpu/rans_kernel_args.h) have no zeros.
+    r.groups = check_groups(tcq ? kRansTcqFormat : kRansGridFormat, K, scales, "scales", "the argument K", scales, zeros, weight_format, -1);
   } else {
     const WeightFormat format = parse_weight_format(weight_format);
     check_group_size(group_size);

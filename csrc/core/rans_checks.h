@@ -20,9 +20,11 @@ constexpr uint32_t kRansStateLow = 1u << 16;
 constexpr int64_t kRansMinProbBits = 10, kRansMaxProbBits = 15;
 // Alphabet sizes: a lossless format's 4-bit codes, or the grid's symbols s (value s - 128).
 constexpr int64_t kRansLosslessSymbols = 16, kRansGridSymbols = 256;
-// QuantizedShape::format of weight_format "grid": not a value format (no zeros;
-// the kernels' kind kRansGrid, csrc/cpu/rans_kernel_args.h).
+// QuantizedShape::format of weight_format "grid" and "tcq": not value formats (no zeros;
+// the kernels' kinds kRansGrid and kRansTcq, csrc/cpu/rans_kernel_args.h). "tcq" is the
+// grid's symbols read through a 4-state trellis (docs/FORMAT.md, "Entropy-coded layout").
 constexpr WeightFormat kRansGridFormat = WeightFormat(100);
+constexpr WeightFormat kRansTcqFormat = WeightFormat(101);
 
 // What the tensor shapes and parameters say (after check_rans_streams).
 struct RansShape {
@@ -47,12 +49,12 @@ void check_rans_contents(const at::Tensor& words, const at::Tensor& word_offsets
 
 // rans_gemm's weight: the streams plus the value kind. weight_format is a
 // value format name (lossless: 16 symbols, scales/zeros as the dense layout's
-// [ceil(K/group_size), N]: the last group may be short) or "grid" (256 symbols, scales [1, N] = the step per
-// column, zeros None, group_size K or -1).
+// [ceil(K/group_size), N]: the last group may be short) or "grid" / "tcq" (256 symbols, scales [1, N] = the
+// step per column, zeros None, group_size K or -1).
 struct RansGemmShape {
   RansShape streams;
-  bool grid;
-  QuantizedShape groups;  // k = K, format (grid: kRansGridFormat), groups, group_rows
+  bool grid;  // "grid" or "tcq": 256 symbols, one step per column
+  QuantizedShape groups;  // k = K, format (kRansGridFormat, kRansTcqFormat or a value format), groups, group_rows
 };
 
 RansGemmShape check_rans_gemm(const at::Tensor& x, const at::Tensor& words, const at::Tensor& word_offsets,

@@ -12,6 +12,9 @@ constexpr int kRansBlockCols = 32;  // lanes of a column block: one output colum
 // RansArgs::kind of weight_format "grid": value (s - 128) * step. Not a value format
 // number: has_zeros and zeros_are_bias are false for it, as the grid has no zeros.
 constexpr int kRansGrid = 100;
+// RansArgs::kind of weight_format "tcq": the grid's symbols through the 4-state trellis
+// (docs/FORMAT.md): value j * step, j = 2k or 2k - sign(k) by the lane's state, k = s - 128.
+constexpr int kRansTcq = 101;
 static_assert(!has_zeros(WeightFormat(kRansGrid)) && !zeros_are_bias(WeightFormat(kRansGrid)) &&
                   values_exact_in_bf16(WeightFormat(kRansGrid)),
               "the grid has no zeros and its values s - 128 are exact in bf16");
