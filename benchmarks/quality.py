@@ -60,13 +60,14 @@ def quantize_marlin(model, weight_format, group_size, quantizer, calibration=Non
     return _totals(model, report, norms2)
 
 
-def quantize_entropy_coded(model, bits, quantizer, calibration=None):
-    """The entropy-coded grid (docs/ENTROPY.md) at `bits` per weight, every byte counted."""
+def quantize_entropy_coded(model, bits, quantizer, calibration=None, kind="grid"):
+    """The entropy-coded grid (docs/ENTROPY.md; `kind` "grid" or "tcq") at `bits` per weight,
+    every byte counted."""
     import torch_marlin
 
     norms2 = {name: float((m.weight.detach().double() ** 2).sum()) for name, m in linear_layers(model)}
     gptq = quantizer.startswith("gptq")
-    report = torch_marlin.quantize_model(model, bits=bits, method="gptq" if gptq else "rtn",
+    report = torch_marlin.quantize_model(model, kind, -1, bits=bits, method="gptq" if gptq else "rtn",
                                          calibration=calibration if gptq else None,
                                          **({"act_order": True} if quantizer == "gptq-act-order" else {}))
     return _totals(model, report, norms2)
@@ -161,6 +162,8 @@ def main(argv=None) -> int:
     parser.add_argument("--bits", nargs="*", type=float, default=[],
                         help="also the entropy-coded grid at these bits per weight (for each of --quantizers "
                              "mse -> round to nearest, gptq, gptq-act-order)")
+    parser.add_argument("--grid-kinds", nargs="+", default=["tcq"], choices=["tcq", "grid"],
+                        help="value kinds of --bits with round to nearest (default tcq; GPTQ uses the grid)")
     parser.add_argument("--entropy-code", action="store_true",
                         help="also code every fixed-format result losslessly: its bits per weight, its stream "
                              "and its codes' entropy")
@@ -190,9 +193,10 @@ def main(argv=None) -> int:
     print("| format | group | quantizer | calibration | bits/weight | rel. weight error | mean cosine | min cosine "
           f"| s | cpu s{int8_columns} |")
     print("| --- " * (10 + 3 * args.int8_activations) + "|")
-    grid = [((f"rans {b}", -1, "rtn" if q in ("mse", "absmax") else q),
-             (lambda m, b=b, q=q: quantize_entropy_coded(m, b, q, calibration)))
-            for b in args.bits for q in dict.fromkeys("mse" if q == "absmax" else q for q in args.quantizers)]
+    grid = [((f"rans {kind} {b}", -1, "rtn" if q == "mse" else q),
+             (lambda m, b=b, q=q, kind=kind: quantize_entropy_coded(m, b, q, calibration, kind)))
+            for b in args.bits for q in dict.fromkeys("mse" if q == "absmax" else q for q in args.quantizers)
+            for kind in (args.grid_kinds if q == "mse" else ["grid"])]
     baseline = [] if args.no_fixed else [(("mlx-affine", 64, "rtn"), lambda m: quantize_mlx_baseline(m, 64))]
     for label, run in baseline + [
             ((f, g, q), (lambda m, f=f, g=g, q=q: quantize_marlin(m, f, g, q, calibration)))

@@ -104,3 +104,25 @@ def dequantize_sparse_one_by_one(values, metadata, scales, zeros, weight_format,
                 zero = None if zeros is None else zeros[row // rows][col]
                 out[row][col] = weight_one_by_one(code, scales[row // rows][col], zero, weight_format)
     return out
+
+
+def tcq_levels_one_by_one(symbols, chunk_k):
+    """Levels [K][N] of "tcq" symbols [K][N] (lists of ints), one column and one row at a time
+    (docs/FORMAT.md, "tcq"): a column's state is 0 at the first row of each chunk; states 0
+    and 1 read k = s - 128 as 2k, states 2 and 3 as 2k - sign(k); the next state is
+    NEXT[state][k mod 2]."""
+    next_state = {0: (0, 2), 1: (2, 0), 2: (1, 3), 3: (3, 1)}
+    rows = [list(r) for r in symbols]
+    out = [[0] * len(rows[0]) for _ in rows]
+    for col in range(len(rows[0])):
+        state = 0
+        for row, values in enumerate(rows):
+            if row % chunk_k == 0:
+                state = 0
+            k = values[col] - 128
+            if state < 2:
+                out[row][col] = 2 * k
+            else:
+                out[row][col] = 2 * k - (1 if k > 0 else -1 if k < 0 else 0)
+            state = next_state[state][k % 2]
+    return out

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from reference import tcq_levels_one_by_one
 from torch_marlin import rans
 
 
@@ -177,3 +178,41 @@ def test_bad_arguments():
         rans.encode(np.zeros((4,), np.int64), 16, 32)
     with pytest.raises(ValueError, match="chunk_k must be a multiple of group_size"):
         rans.encode_codes(torch.zeros(256, 8, dtype=torch.uint8), "int4", chunk_k=96, group_size=64)
+
+
+# --- value kind "tcq": symbols through the 4-state trellis ---------------------------------
+
+def test_tcq_levels_by_hand():
+    # state 0: k=1 -> 2 (state 2); k=1 -> 1 (state 3); k=-1 -> -1 (state 1); k=2 -> 4 (state 2);
+    # k=0 -> 0 (state 1); then the next chunk starts again in state 0: k=1 -> 2.
+    column = [129, 129, 127, 130, 128] + [128] * 27 + [129]
+    symbols = torch.tensor(column, dtype=torch.uint8).unsqueeze(1)
+    levels = rans.tcq_levels(symbols, 32)[:, 0].tolist()
+    assert levels[:5] == [2, 1, -1, 4, 0] and levels[32] == 2
+    # One chunk of 64: k=0 moves state 1 to 2 and 2 to 1, so row 32 is read in state 2: k=1 -> 1.
+    assert rans.tcq_levels(symbols, 64)[32, 0] == 1
+
+
+@pytest.mark.parametrize("k,n,chunk_k", [(70, 45, 32), (64, 33, 64), (200, 7, 96)])
+def test_tcq_levels_match_the_per_element_decoder(k, n, chunk_k):
+    rng = np.random.default_rng(k + n)
+    sym = np.clip(np.round(rng.normal(128, 20, (k, n))), 0, 255).astype(np.int64)
+    sym[0, 0], sym[1, 0], sym[-1, -1] = 0, 255, 1  # the extremes decode too
+    stream = rans.encode(sym, 256, chunk_k, 12)
+    decoded = rans.decode(stream.words, stream.word_offsets, stream.states, stream.freqs, k, n, chunk_k, 12)
+    expected = torch.tensor(tcq_levels_one_by_one(sym.tolist(), chunk_k))
+    levels = rans.tcq_levels(decoded, chunk_k)
+    assert levels.dtype == torch.int64 and torch.equal(levels, expected)
+    assert torch.equal(rans.tcq_levels(torch.from_numpy(sym), chunk_k), expected)  # any integer dtype
+    assert int(levels.min()) >= -256 and int(levels.max()) <= 254
+
+
+def test_tcq_levels_bad_input():
+    with pytest.raises(ValueError, match="symbols must be a 2-D integer tensor"):
+        rans.tcq_levels(torch.zeros(4, 4), 32)
+    with pytest.raises(ValueError, match="symbols must be a 2-D integer tensor"):
+        rans.tcq_levels(torch.zeros(4, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match=r"symbols must be in \[0, 256\)"):
+        rans.tcq_levels(torch.full((4, 4), 256), 32)
+    with pytest.raises(ValueError, match="chunk_k must be a positive multiple of 32"):
+        rans.tcq_levels(torch.zeros(4, 4, dtype=torch.uint8), 48)

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 import torch_marlin as tm
+from reference import tcq_levels_one_by_one
 from torch_marlin import formats, rans
 from torch_marlin.layouts import QuantizedWeight, RansQuantizedWeight
-from torch_marlin.layouts.rans import has_ops
+from torch_marlin.layouts.rans import has_gemm_op, has_ops
 
 FORMATS = ["fp4", "uint4", "int4", "nf4", "affine"]
 
@@ -62,20 +63,24 @@ def test_lossless_gemv_equals_the_dense_gemv():
     assert torch.equal(module(x), dense(x))
 
 
-def test_state_dict_round_trip_and_guard():
+@pytest.mark.parametrize("kind,number", [("grid", 64), ("tcq", 65)])
+def test_state_dict_round_trip_and_guard(kind, number):
     torch.manual_seed(2)
     linear = nn.Linear(64, 40)
-    module = tm.MarlinLinear.from_linear(linear, bits=4.0)
-    assert module.weight_format == "grid" and module.group_size == -1
-    fresh = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight)
+    module = tm.MarlinLinear.from_linear(linear, kind, -1, bits=4.0)
+    assert module.weight_format == kind and module.group_size == -1
+    fresh = tm.MarlinLinear(64, 40, True, kind, -1, layout=RansQuantizedWeight)
     assert fresh.words.numel() == 0
     fresh.load_state_dict(module.state_dict())  # takes the saved stream's length
     x = torch.randn(3, 64)
     assert torch.equal(fresh(x), module(x))
-    assert fresh.get_extra_state().tolist() == [4, 64, -1, 64, 64, rans.DEFAULT_PROB_BITS]
-    other = tm.MarlinLinear(64, 40, True, "grid", -1, layout=RansQuantizedWeight, prob_bits=14)
+    assert fresh.get_extra_state().tolist() == [4, number, -1, 64, 64, rans.DEFAULT_PROB_BITS]
+    other = tm.MarlinLinear(64, 40, True, kind, -1, layout=RansQuantizedWeight, prob_bits=14)
     with pytest.raises(ValueError, match="prob_bits=12"):
         other.load_state_dict(module.state_dict())
+    wrong_kind = tm.MarlinLinear(64, 40, True, "tcq" if kind == "grid" else "grid", -1, layout=RansQuantizedWeight)
+    with pytest.raises(ValueError, match=repr(kind)):
+        wrong_kind.load_state_dict(module.state_dict())
     dense = tm.MarlinLinear(64, 40, True, "fp4", 32)
     with pytest.raises(ValueError, match="layout='rans'"):
         dense.load_state_dict(module.state_dict(), strict=False)
@@ -83,7 +88,7 @@ def test_state_dict_round_trip_and_guard():
 
 def test_loading_a_corrupt_stream_is_refused():
     torch.manual_seed(3)
-    module = tm.MarlinLinear.from_linear(nn.Linear(64, 40), bits=4.0)
+    module = tm.MarlinLinear.from_linear(nn.Linear(64, 40), "grid", -1, bits=4.0)
     state = module.state_dict()
     state["freqs"] = state["freqs"].clone()
     state["freqs"][128] += 1
@@ -104,11 +109,13 @@ def test_loading_a_corrupt_stream_is_refused():
 
 
 @pytest.mark.parametrize("bits", [4.125, 3.125])
-def test_quantize_model_bits_meets_the_target(bits):
+@pytest.mark.parametrize("kind", ["tcq", "grid"])
+def test_quantize_model_bits_meets_the_target(bits, kind):
     model = _model()
     x = torch.randn(16, 256)
     ref = model(x)
-    report = tm.quantize_model(model, bits=bits)
+    report = tm.quantize_model(model, bits=bits, **({} if kind == "tcq" else {"weight_format": "grid",
+                                                                            "group_size": -1}))
     names = ["0", "2", "4"]
     assert report.replaced == names
     assert _grid_bits(model, names) <= bits
@@ -116,7 +123,7 @@ def test_quantize_model_bits_meets_the_target(bits):
     assert set(report.bits_per_layer) == set(names) and "bits per weight per layer" in str(report)
     for name in names:  # the reported error is the weight's
         layer = model.get_submodule(name)
-        assert layer.quantized_weight().weight_format == "grid"
+        assert layer.quantized_weight().weight_format == kind  # tcq: the default of round to nearest
         w = _model().get_submodule(name).weight
         err = float((layer.dequantize() - w.detach()).norm() / w.detach().norm())
         assert abs(err - report.relative_errors[name]) < 1e-4
@@ -132,7 +139,7 @@ def test_grid_round_to_nearest_on_the_steps():
     """Without rate-aware rounding every code is the nearest grid point of its weight."""
     torch.manual_seed(4)
     linear = nn.Linear(128, 64)
-    module = tm.MarlinLinear.from_linear(linear, bits=3.5)
+    module = tm.MarlinLinear.from_linear(linear, "grid", -1, bits=3.5)
     q = module.quantized_weight()
     steps = q.scales.float()[0]
     sym = q.symbols().long() - 128
@@ -149,7 +156,7 @@ def test_refitted_steps_lower_the_error_at_the_same_size(bits, monkeypatch):
 
     def error_and_bits():
         model, reference = _model(), _model()
-        tm.quantize_model(model, bits=bits)
+        tm.quantize_model(model, "grid", -1, bits=bits)
         names = ["0", "2", "4"]
         err2 = sum(float((model.get_submodule(n).dequantize() - reference.get_submodule(n).weight.detach())
                          .pow(2).sum()) for n in names)
@@ -170,7 +177,7 @@ def test_refitted_steps_never_lose_on_a_tight_budget(monkeypatch):
 
     def error():
         torch.manual_seed(3)
-        return tm.MarlinLinear.from_linear(nn.Linear(64, 40), bits=4.0).quantization_error
+        return tm.MarlinLinear.from_linear(nn.Linear(64, 40), "grid", -1, bits=4.0).quantization_error
 
     refitted = error()
     monkeypatch.setattr(rans_quantize, "REFIT_STEPS", 0)
@@ -181,7 +188,7 @@ def test_gptq_on_the_grid_beats_round_to_nearest_on_its_hessian():
     linear = _model(5)[0]
     x = torch.randn(2048, 256) @ torch.randn(256, 256)  # correlated inputs
     h = x.t() @ x / x.shape[0]
-    rtn = tm.MarlinLinear.from_linear(linear, bits=3.5)
+    rtn = tm.MarlinLinear.from_linear(linear, "grid", -1, bits=3.5)
     gptq = tm.MarlinLinear.from_linear(linear, method="gptq", hessian=h, bits=3.5)
     w = linear.weight.detach()
     out_err = lambda m: float(((m.dequantize() - w) @ x.t()).norm() / (w @ x.t()).norm())
@@ -239,6 +246,22 @@ def test_bad_arguments_are_named():
         tm.quantize_model(_model(), bits=3.5, act_ordr=True)
     with pytest.raises(ValueError, match="made by the rate-controlled quantizer"):
         RansQuantizedWeight.from_float(torch.randn(8, 32), "grid", -1)
+    with pytest.raises(ValueError, match="group_size must be -1 for weight_format='tcq'"):
+        tm.MarlinLinear(32, 32, True, "tcq", 128, layout=RansQuantizedWeight)
+    with pytest.raises(ValueError, match="made by the rate-controlled quantizer"):
+        RansQuantizedWeight.from_float(torch.randn(8, 32), "tcq", -1)
+    with pytest.raises(ValueError, match="weight_format='tcq' is made by round to nearest"):
+        tm.MarlinLinear.from_linear(nn.Linear(32, 32), "tcq", -1, method="gptq", hessian=torch.eye(32), bits=3.5)
+    with pytest.raises(ValueError, match="weight_format='tcq' is made by round to nearest"):
+        tm.quantize_model(_model(), "tcq", -1, bits=3.5, method="gptq", calibration=[torch.randn(4, 256)])
+    with pytest.raises(ValueError, match="bits= selects the grid"):
+        tm.quantize_model(_model(), "tcq", 128, bits=3.5)
+    symbols = torch.full((64, 32), 128, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="zeros must be None for weight_format='tcq'"):
+        RansQuantizedWeight.from_codes(symbols, torch.ones(1, 32, dtype=torch.float16),
+                                       torch.zeros(1, 32, dtype=torch.float16), "tcq", -1)
+    with pytest.raises(ValueError, match="group_size must be -1 for weight_format='tcq'"):
+        RansQuantizedWeight.from_codes(symbols, torch.ones(2, 32, dtype=torch.float16), None, "tcq", 32)
     with pytest.raises(ValueError, match="chunk_k must be a multiple of group_size"):
         RansQuantizedWeight.from_dense(tm.MarlinLinear.from_linear(nn.Linear(256, 32), "fp4", 128)
                                        .quantized_weight(), chunk_k=96)
@@ -258,7 +281,7 @@ def test_expert_stacks_are_refused():
 
 @pytest.mark.skipif(not has_ops(), reason="this build has no rans ops")
 def test_opcheck_autograd_and_compile():
-    module = tm.MarlinLinear.from_linear(_model(6)[0], bits=4.0)
+    module = tm.MarlinLinear.from_linear(_model(6)[0], "grid", -1, bits=4.0)
     q = module.quantized_weight()
     x = torch.randn(3, 256, requires_grad=True)
     args = (x, q.words, q.word_offsets, q.states, q.freqs, q.scales, None, module.bias.detach(), "grid", 256,
@@ -271,3 +294,82 @@ def test_opcheck_autograd_and_compile():
     torch.testing.assert_close(x.grad, expected, rtol=1e-4, atol=1e-4)
     compiled = torch.compile(module, fullgraph=True)
     assert torch.equal(compiled(x.detach()), module(x.detach()))
+
+
+# --- the trellis-coded grid ("tcq") ------------------------------------------------------------
+
+def _tcq_weight(k=100, n=45, chunk_k=32, seed=7):
+    """A tcq weight from random symbols: K not a multiple of chunk_k, N not of 32."""
+    gen = torch.Generator().manual_seed(seed)
+    symbols = (128 + torch.randn(k, n, generator=gen) * 12).round().clamp(0, 255).to(torch.uint8)
+    symbols[0, 0], symbols[1, 1] = 0, 255
+    steps = (0.01 + torch.rand(1, n, generator=gen) * 0.02).half()
+    return symbols, steps, RansQuantizedWeight.from_codes(symbols, steps, None, "tcq", -1, chunk_k)
+
+
+def test_tcq_weight_is_the_trellis_levels_times_the_steps():
+    symbols, steps, q = _tcq_weight()
+    assert q.weight_format == "tcq" and q.freqs.shape == (256,) and q.zeros is None
+    assert torch.equal(q.symbols(), symbols)
+    expected = (torch.tensor(tcq_levels_one_by_one(symbols.tolist(), 32)).double() * steps.double()).t()
+    assert torch.equal(q.dequantize(torch.float64), expected)
+    assert torch.equal(q.weight(), expected.float())  # levels and fp16 steps are exact in fp32
+    module = tm.MarlinLinear.from_quantized(q, torch.randn(45))
+    x = torch.randn(5, 100)
+    torch.testing.assert_close(module(x), x @ expected.float().t() + module.bias, rtol=1e-5, atol=1e-5)
+    # The grid's reading of the same symbols differs: the trellis is not a relabelling.
+    grid = RansQuantizedWeight.from_codes(symbols, steps, None, "grid", -1, 32)
+    assert not torch.equal(grid.dequantize(torch.float64), expected)
+
+
+@pytest.mark.skipif(not has_gemm_op("tcq"), reason="this build's rans_gemm has no 'tcq' kind (h-tcq-cpu)")
+def test_tcq_op_equals_the_reference_and_autograd():
+    _, _, q = _tcq_weight(k=256, n=70, chunk_k=64)
+    module = tm.MarlinLinear.from_quantized(q, torch.randn(70))
+    x = torch.randn(3, 256, requires_grad=True)
+    args = (x, q.words, q.word_offsets, q.states, q.freqs, q.scales, None, module.bias.detach(), "tcq", 256,
+            q.chunk_k, q.prob_bits, -1)
+    w = q.dequantize()
+    torch.testing.assert_close(torch.ops.marlin.rans_gemm(*args), x.detach() @ w.t() + module.bias.detach(),
+                               rtol=1e-4, atol=1e-4)
+    torch.library.opcheck(torch.ops.marlin.rans_gemm, args)
+    module(x).square().sum().backward()
+    expected = (2 * (x.detach() @ w.t() + module.bias.detach())) @ w
+    torch.testing.assert_close(x.grad, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_tcq_search_beats_the_grid_at_the_same_size():
+    """The trellis search at the same budget: a smaller weight error than the scalar grid,
+    and its codes decode (through the layout) to the weight it reports."""
+    linear = _model(8)[2]
+    w = linear.weight.detach()
+    errors = {}
+    for kind in ("grid", "tcq"):
+        module = tm.MarlinLinear.from_linear(linear, kind, -1, bits=3.5)
+        assert _grid_bits(module, [""]) <= 3.5
+        errors[kind] = float((module.dequantize() - w).norm() / w.norm())
+        assert abs(errors[kind] - module.quantization_error) < 1e-5
+    assert errors["tcq"] < 0.95 * errors["grid"]
+
+
+def test_trellis_search_is_the_best_path():
+    """On short rows the Viterbi search finds the path of least cost among all code
+    sequences near the weights (exhaustive: 5 codes around y / 2 per step)."""
+    import itertools
+
+    from torch_marlin import rans_quantize
+
+    torch.manual_seed(9)
+    y = torch.randn(4, 5) * 5
+    bits = torch.rand(256) * 8
+    for lam, table in ((0.0, None), (0.3, bits)):
+        codes = rans_quantize.trellis_search(y, 32, lam, table)
+        for row in range(y.shape[0]):
+            def cost(ks):
+                sym = torch.tensor(ks).unsqueeze(1) + 128
+                levels = torch.tensor(tcq_levels_one_by_one(sym.tolist(), 32))[:, 0]
+                rate = 0.0 if table is None else lam * float(table[sym[:, 0]].sum())
+                return float((y[row] - levels).square().sum()) + rate
+            near = [range(int(torch.floor(v / 2)) - 2, int(torch.floor(v / 2)) + 3) for v in y[row]]
+            best = min(cost(list(ks)) for ks in itertools.product(*near))
+            assert cost(codes[row].tolist()) == pytest.approx(best, rel=1e-5)

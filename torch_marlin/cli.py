@@ -21,6 +21,7 @@ import torch
 
 from . import __version__
 from .formats import GROUP_SIZES, WEIGHT_FORMATS
+from .rans import GRID_KINDS
 from .quantize import quantizer_names
 
 _EXIT_OK, _EXIT_ERROR, _EXIT_USAGE = 0, 1, 2
@@ -40,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("src", help="source model directory (config.json + safetensors), a .gguf file, or a Hugging "
                                   "Face Hub repo id (org/name): downloaded, or read from the Hub cache with HF_HUB_OFFLINE=1")
     conv.add_argument("dst", help="output directory (must not exist unless --overwrite)")
-    conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS,
-                      help="weight format for float sources (default fp4)")
+    conv.add_argument("--format", dest="weight_format", default="fp4", choices=WEIGHT_FORMATS + GRID_KINDS,
+                      help="weight format for float sources (default fp4); with --bits: 'tcq' (the trellis-coded "
+                           "grid, the default of --method rtn) or 'grid' (the scalar grid, the one of gptq)")
     conv.add_argument("--group-size", type=int, default=128, choices=GROUP_SIZES,
                       help="group size along K for float sources (default 128; -1 = per channel)")
     conv.add_argument("--exclude", action="append", default=[], metavar="PATTERN",
@@ -149,6 +151,10 @@ def _convert(args) -> int:
     if calibrated and args.fuse_projections:
         print("error: --fuse-projections is not supported with --method yet; convert without it and load with "
               "torch_marlin.from_pretrained(path, fuse_projections=True)", file=sys.stderr)
+        return _EXIT_USAGE
+    if args.weight_format in GRID_KINDS and args.bits is None:
+        print(f"error: --format {args.weight_format} is a value kind of the entropy-coded layout: add --bits BITS",
+              file=sys.stderr)
         return _EXIT_USAGE
     if args.bits is not None or args.entropy_code:
         return _convert_entropy_coded(args)

@@ -11,7 +11,7 @@ from .float_linear import is_conv1d, linear_weight
 from .layouts import QuantizedLayout, QuantizedWeight, layout_by_code, layout_for_sparsity
 from .layouts.base import known_layout_codes
 from .quantize import calibrated_method
-from .rans_quantize import grid_weight
+from .rans_quantize import grid_weight, value_kind
 from .sparsity import split_method
 
 
@@ -166,7 +166,9 @@ class MarlinLinear(QuantizedModule):
 
         bits=<float> quantizes onto the entropy-coded grid at most `bits` bits per weight, every
         byte counted (docs/ENTROPY.md); method "mse"/"rtn" (round to nearest) or "gptq" with
-        `hessian` (act_order / damp / block_size); weight_format and group_size are not used."""
+        `hessian` (act_order / damp / block_size); weight_format "tcq" (the trellis-coded grid,
+        round to nearest only) or "grid" with group_size -1 choose the value kind, the defaults
+        ("fp4", 128) mean tcq for round to nearest and the grid for GPTQ."""
         if bits is not None:
             if sparsity is not None:
                 raise ValueError(f"bits= does not combine with sparsity={sparsity!r}")
@@ -174,7 +176,9 @@ class MarlinLinear(QuantizedModule):
             if linear.weight.device.type == "meta":
                 raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
             weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
-            coded = grid_weight(weight, bits, "rtn" if method == "mse" else method, hessian, **options)
+            method = "rtn" if method == "mse" else method
+            kind = value_kind(weight_format, group_size, method)
+            coded = grid_weight(weight, bits, method, hessian, **options, kind=kind)
             module = cls.from_quantized(coded, None if linear.bias is None else linear.bias.detach().cpu())
             module.quantization_error = coded.relative_error
             return module.to(linear.weight.device)

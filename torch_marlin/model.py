@@ -16,10 +16,10 @@ from .float_linear import is_float_linear
 from .linear import MarlinLinear
 from .moe import MarlinExperts, UnsupportedExperts, find_experts_modules, warn_unsupported
 from .moe_gptq import ExpertError, calibrate_experts, check_experts_options, describe_expert_errors
-from .layouts.rans import GRID
+from .layouts.rans import TCQ
 from .quantize import calibrated_method
 from .rans_model import entropy_code_modules, module_bytes, quantize_model_bits
-from .rans_quantize import check_bits
+from .rans_quantize import check_bits, value_kind
 from .sparsity import split_method
 
 Patterns = Union[str, Iterable[str], None]
@@ -317,17 +317,15 @@ def _quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_si
         report.bytes_after = sum(module_bytes(model.get_submodule(name)) for name in report.replaced)
         return report
     bits = check_bits(bits)
-    if (weight_format, group_size) not in (("fp4", 128), (GRID, -1)):
-        raise ValueError(f"bits= selects the grid (weight_format='grid', group_size=-1); got weight_format="
-                         f"{weight_format!r}, group_size={group_size} (for lossless coding of a 4-bit format use "
-                         f"entropy_code=True)")
-    report = QuantizationReport(method_name="entropy-coded grid (round to nearest)")
+    kind = value_kind(weight_format, group_size, "gptq" if method == "gptq" else "rtn")
+    report = QuantizationReport(method_name=f"entropy-coded {'trellis-coded ' if kind == TCQ else ''}grid "
+                                            f"(round to nearest)")
     report.experts_skipped = [name for name in supported if name not in selected]  # left in float
     targets = select_linear_layers(model, include_p, exclude_p, report)
     if not targets:
         raise ValueError("bits=: no linear layer selected (check include/exclude)")
     layers = {name: model.get_submodule(name) for name in targets}
     quantize_model_bits(model, layers, report, bits, "rtn" if method == "mse" else method, calibration,
-                        **coding, **options)
+                        **coding, **options, weight_format=kind)
     _warn_unmatched(report, include_p or [], exclude_p)
     return report

@@ -26,6 +26,10 @@ DEFAULT_CHUNK_K = 1024  # measured: docs/ENTROPY.md
 GRID_OFFSET = 128  # grid symbol s stands for the integer s - 128
 ALPHABET_LOSSLESS = 16
 ALPHABET_GRID = 256
+GRID_KINDS = ("grid", "tcq")  # value kinds of 256 symbols, one step per output column
+# "tcq": the 4-state trellis of docs/FORMAT.md; TCQ_NEXT[state][k & 1] is the next state.
+TCQ_NEXT = ((0, 2), (2, 0), (1, 3), (3, 1))
+TCQ_STATES = 4
 
 
 class RansStreamError(ValueError):
@@ -33,8 +37,8 @@ class RansStreamError(ValueError):
 
 
 def alphabet_size(weight_format: str) -> int:
-    """Symbols of a value kind: 256 for the grid, 16 for the 4-bit formats (lossless)."""
-    return ALPHABET_GRID if weight_format == "grid" else ALPHABET_LOSSLESS
+    """Symbols of a value kind: 256 for the grid and tcq, 16 for the 4-bit formats (lossless)."""
+    return ALPHABET_GRID if weight_format in GRID_KINDS else ALPHABET_LOSSLESS
 
 
 def check_prob_bits(prob_bits, name: str = "prob_bits") -> int:
@@ -315,7 +319,7 @@ def decode(words, word_offsets, states, freqs, k: int, n: int, chunk_k: int, pro
 def encode_codes(codes, weight_format: str, chunk_k: int = DEFAULT_CHUNK_K, prob_bits: int = DEFAULT_PROB_BITS,
                  group_size: Optional[int] = None) -> RansStream:
     """The stream of codes [K, N] of a value kind: a 4-bit format name (codes 0..15,
-    lossless) or "grid" (symbols 0..255 = q + 128). For lossless formats with groups,
+    lossless) or "grid" / "tcq" (symbols 0..255 = q + 128). For lossless formats with groups,
     chunk_k must be a multiple of group_size (or group_size == K) so a chunk never
     splits a group."""
     alphabet = alphabet_size(weight_format)
@@ -329,7 +333,7 @@ def encode_codes(codes, weight_format: str, chunk_k: int = DEFAULT_CHUNK_K, prob
 
 def check_chunk_compatible(chunk_k: int, group_size: Optional[int], k: Optional[int], weight_format: str) -> None:
     chunk_k = check_chunk_k(chunk_k)
-    if weight_format == "grid" or group_size is None or k is None:
+    if weight_format in GRID_KINDS or group_size is None or k is None:
         return
     if group_size not in (-1, k) and chunk_k % group_size:
         raise ValueError(f"chunk_k must be a multiple of group_size = {group_size} (or group_size == K), "
@@ -339,6 +343,34 @@ def check_chunk_compatible(chunk_k: int, group_size: Optional[int], k: Optional[
 def decode_codes(stream: RansStream, k: int, n: int, chunk_k: int, prob_bits: int) -> torch.Tensor:
     """uint8 codes [K, N] of a stream (inverse of encode_codes)."""
     return decode(stream.words, stream.word_offsets, stream.states, stream.freqs, k, n, chunk_k, prob_bits)
+
+
+def tcq_levels(symbols: torch.Tensor, chunk_k: int) -> torch.Tensor:
+    """Integer levels j [K, N] (int64, in [-256, 254]) of "tcq" symbols [K, N] (docs/FORMAT.md):
+    per column a trellis state, 0 at the first row of every chunk of chunk_k rows; symbol s
+    (k = s - 128) is level 2k in states 0, 1 and 2k - sign(k) in states 2, 3, and moves the
+    state to TCQ_NEXT[state][k & 1]. The value is j * step. The loop runs over the chunk's
+    rows; all columns and chunks go at once."""
+    chunk_k = check_chunk_k(chunk_k)
+    if not isinstance(symbols, torch.Tensor) or symbols.dim() != 2 or symbols.dtype.is_floating_point \
+            or symbols.dtype == torch.bool or symbols.dtype.is_complex:
+        got = f"{symbols.dtype} {list(symbols.shape)}" if isinstance(symbols, torch.Tensor) else type(symbols).__name__
+        raise ValueError(f"symbols must be a 2-D integer tensor [K, N], got {got}")
+    if symbols.dtype != torch.uint8 and symbols.numel() and (symbols.min() < 0 or symbols.max() >= ALPHABET_GRID):
+        raise ValueError(f"symbols must be in [0, {ALPHABET_GRID}), got values in "
+                         f"[{int(symbols.min())}, {int(symbols.max())}]")
+    k_rows, n = symbols.shape
+    nk = num_kchunks(k_rows, chunk_k)
+    k = torch.full((nk * chunk_k, n), 0, dtype=torch.int64, device=symbols.device)
+    k[:k_rows] = symbols.to(torch.int64) - GRID_OFFSET
+    k = k.view(nk, chunk_k, n)
+    j = torch.empty_like(k)
+    state = torch.zeros(nk, n, dtype=torch.int64, device=symbols.device)
+    for t in range(chunk_k):
+        kt = k[:, t]
+        j[:, t] = 2 * kt - (state >> 1) * torch.sign(kt)
+        state = (state >> 1) | (((state ^ kt) & 1) << 1)
+    return j.view(nk * chunk_k, n)[:k_rows]
 
 
 def entropy_bits(symbols, alphabet: int) -> float:

@@ -15,7 +15,9 @@ from .calibration import output_error, quantize_sequentially
 from .float_linear import is_conv1d, linear_weight
 from .layouts.rans import RansQuantizedWeight
 from .linear import MarlinLinear, PermutedInputMarlinLinear
-from .rans_quantize import RATE_AWARE, ROW_POWER, WEIGHTING, fit_layer, gptq_grid, plan, quantize_grid, _rtn
+from .layouts.rans import GRID
+from .rans_quantize import (RATE_AWARE, ROW_POWER, WEIGHTING, fit_layer, gptq_grid, plan, quantize_grid,
+                            round_to_nearest)
 
 
 def entropy_code_modules(model: nn.Module, names: List[str], chunk_k: Optional[int] = None,
@@ -53,8 +55,10 @@ def _module_like(module, coded: RansQuantizedWeight):
 def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report, bits: float, method: str,
                         calibration=None, act_order: bool = False, damp: float = 0.01, block_size: int = 128,
                         prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
-                        rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER, weighting: str = WEIGHTING) -> None:
-    """quantize_model(model, bits=...): the grid at an average of `bits` per weight over `targets`."""
+                        rate_aware: bool = RATE_AWARE, row_power: float = ROW_POWER, weighting: str = WEIGHTING,
+                        weight_format: str = GRID) -> None:
+    """quantize_model(model, bits=...): the grid or tcq (`weight_format`, rans_quantize.value_kind)
+    at an average of `bits` per weight over `targets`."""
     if method not in ("mse", "rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' (round to nearest, the default) or 'gptq' with bits=, got {method!r}")
     if method != "gptq" and calibration is not None:
@@ -72,7 +76,7 @@ def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report,
 
     if method != "gptq":
         for name, linear in targets.items():
-            model.set_submodule(name, replace(name, linear, fit_layer(p, name, _rtn(p, name), refit_steps=True)))
+            model.set_submodule(name, replace(name, linear, round_to_nearest(p, name, weight_format)))
         return
 
     start = time.perf_counter()
@@ -88,7 +92,7 @@ def quantize_model_bits(model: nn.Module, targets: Dict[str, nn.Module], report,
         return replace(name, linear, coded)
 
     def quantize_unreached(name, linear):
-        return replace(name, linear, fit_layer(p, name, _rtn(p, name), refit_steps=True))
+        return replace(name, linear, round_to_nearest(p, name, GRID))
 
     report.method_name = "GPTQ on the grid"
     stats = quantize_sequentially(model, targets, calibration, quantize_layer, quantize_unreached)

@@ -6,6 +6,10 @@
   (q in -127..127, one fp16 step per output row), coded with one frequency table per
   layer. `bits` is the average over the quantized layers with every byte of their
   weights counted (words, offsets, states, table, steps).
+- Trellis-coded grid ("tcq", the default of round to nearest with `bits=`): the same
+  codes read through the 4-state trellis of docs/FORMAT.md (levels j * step[n]); the
+  codes are chosen by a Viterbi search per row and chunk (`trellis_search`), which
+  minimises the squared error plus TCQ_LAMBDA x the codes' coded bits.
 
 The allocation is the Lagrangian one: every layer minimises D_l + lambda * R_l at one
 common lambda (equal slope), and lambda is searched so that sum R_l meets the budget.
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 from . import rans
-from .layouts.rans import GRID, RansQuantizedWeight
+from .layouts.rans import GRID, TCQ, RansQuantizedWeight
 
 MAX_Q = 127  # |q| bound of the quantizers (symbols 1..255)
 STEP_MULTIPLIERS = (0.85, 1.0, 1.15)  # around the high-rate step of a lambda
@@ -37,6 +41,11 @@ RDO_PASSES = 2
 REFIT_STEPS = 3  # round-to-nearest rounds again after refitting the steps: docs/ENTROPY.md
 ROW_POWER = 1.0  # step of row n ~ rms(row)^ROW_POWER: measured in docs/ENTROPY.md
 RATE_AWARE = False  # rate-aware rounding by default: measured in docs/ENTROPY.md
+TCQ_LAMBDA = 0.1  # trellis search: step^2 per coded bit (docs/ENTROPY.md)
+TCQ_PASSES = 2  # searches again with the table of the previous pass
+TCQ_STEP_RATIO = 0.5  # tcq step / the allocation's grid step (levels j are twice as dense)
+FILL_ATTEMPTS = 3  # tcq: finer steps tried while a layer is this far below its share
+FILL_TOLERANCE = 0.003  # ... by more than this fraction
 WEIGHTING = "weight"
 # "layer": every layer's relative error ||W - Wq||^2 / ||W||^2 counts once; "weight":
 # it counts once per weight (the same relative step everywhere). Measured: docs/ENTROPY.md.
@@ -69,13 +78,14 @@ def ideal_code_bits(counts: torch.Tensor, prob_bits: int) -> float:
     return float((counts.double() * symbol_bits(counts, prob_bits).double()).sum())
 
 
-def row_steps(w: torch.Tensor, step: float, row_power: float = ROW_POWER) -> torch.Tensor:
-    """fp16 steps [N] of one layer: `step` times (rms of the row / rms of the layer)^row_power."""
+def row_steps(w: torch.Tensor, step: float, row_power: float = ROW_POWER, max_level: int = MAX_Q) -> torch.Tensor:
+    """fp16 steps [N] of one layer: `step` times (rms of the row / rms of the layer)^row_power,
+    never finer than the row's absmax / max_level (no weight clamped)."""
     rms_row = w.pow(2).mean(1).sqrt()
     rms = float(w.pow(2).mean().sqrt())
     shape = (rms_row / max(rms, _TINY)).clamp_min(1e-3).pow(row_power) if row_power else torch.ones_like(rms_row)
-    # Never finer than the row's absmax / 127: no weight is clamped (and sizes fall with lambda).
-    finest = w.abs().amax(1) / MAX_Q * (1 + 2.0 ** -10)
+    # Never finer than the row's absmax / max_level: no weight is clamped (and sizes fall with lambda).
+    finest = w.abs().amax(1) / max_level * (1 + 2.0 ** -10)
     return torch.maximum(step * shape, finest).clamp(2.0 ** -14, 65504.0).half()
 
 
@@ -94,6 +104,98 @@ def round_rate_aware(y: torch.Tensor, distortion_scale, lam: float, bits: Option
 
 def symbol_counts(q: torch.Tensor) -> torch.Tensor:
     return torch.bincount((q.reshape(-1).long() + rans.GRID_OFFSET), minlength=rans.ALPHABET_GRID)
+
+
+# --- trellis-coded grid ("tcq") -----------------------------------------------------------
+
+TCQ_MAX_LEVEL = 2 * MAX_Q  # |j| of k = +-127 in states 0, 1
+
+
+def _viterbi(y: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+    """Codes k [L, T] (int16) of lanes y [L, T] (each lane one trellis run from state 0)
+    minimising sum_t (y_t - j_t)^2 + rate[k_t + 129]; rate [259] is inf outside |k| <= 127.
+
+    States 0, 1 read k as level 2k, states 2, 3 as 2k - sign(k); the next state is
+    (state >> 1) | ((state ^ k) & 1) << 1. For each quantizer q (state >> 1) and parity of k
+    the best of the candidates is kept; new state 2h + q comes from the states 2q + low
+    whose k has parity low ^ h, so the step is one min over `low`."""
+    lanes, steps = y.shape
+    yt_all = y.t().contiguous()
+    offsets = torch.arange(4, dtype=torch.float32)  # k = floor(y / 2) - 1 + i: the two nearest of each parity
+    cost = torch.full((lanes, 4), float("inf"))
+    cost[:, 0] = 0
+    choice = torch.empty(steps, lanes, 4, dtype=torch.int8)  # the `low` of each new state
+    picks = torch.empty(steps, lanes, 2, 2, dtype=torch.int16)  # best k per (quantizer, parity)
+    flip = torch.tensor([1, 0])
+    for t in range(steps):
+        yt = yt_all[t].unsqueeze(1)
+        base = torch.floor(yt * 0.5) - 1
+        k = base + offsets  # [L, 4]; index i has parity (base + i) & 1: classes i & 1
+        r = rate[(k.long() + 129).clamp_(0, rate.numel() - 1)]
+        d = torch.stack(((yt - 2 * k).square_() + r, (yt - 2 * k + torch.sign(k)).square_() + r), 1)
+        best, a = d.view(lanes, 2, 2, 2).min(2)  # [L, q, class], class = i & 1, i = 2a + class
+        kc = (base.unsqueeze(1) + 2 * a + torch.arange(2)).to(torch.int16)  # [L, q, class]
+        swap = (base.long() & 1).view(lanes, 1, 1).expand(lanes, 2, 2)  # class 0 is odd when base is odd
+        order = torch.arange(2).view(1, 1, 2) ^ swap  # [L, q, parity] -> class
+        vp = best.gather(2, order)
+        picks[t] = kc.gather(2, order)
+        c = cost.view(lanes, 2, 2)  # [L, q, low]
+        cand = torch.stack((c + vp, c + vp[:, :, flip]), 1).view(lanes, 4, 2)  # [L, 2h + q, low]
+        cost, low = cand.min(2)
+        choice[t] = low.to(torch.int8)
+    codes = torch.empty(steps, lanes, dtype=torch.int16)
+    state = cost.argmin(1)
+    rows = torch.arange(lanes)
+    for t in range(steps - 1, -1, -1):
+        low = choice[t, rows, state].long()
+        q, h = state & 1, state >> 1
+        codes[t] = picks[t, rows, q, low ^ h]
+        state = 2 * q + low
+    return codes.t()
+
+
+def trellis_search(y: torch.Tensor, chunk_k: int, lam: float = 0.0,
+                   bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes k [N, K] (int16, |k| <= 127) of y = w / step [N, K] on the "tcq" trellis: per row
+    and chunk of chunk_k columns (each starting in state 0) the path minimising
+    sum (y - j)^2 + lam * bits[k + 128] (bits: coded bits per symbol; plain distortion without)."""
+    chunk_k = rans.check_chunk_k(chunk_k)
+    # Refitted steps may be a little finer than row_steps': keep every weight within reach.
+    y = y.detach().to(device="cpu", dtype=torch.float32).clamp(-TCQ_MAX_LEVEL, TCQ_MAX_LEVEL)
+    n, k = y.shape
+    valid = torch.zeros(259, dtype=torch.float32)  # index k + 129, k in -129 .. 129
+    valid[:2] = valid[-2:] = float("inf")
+    rate = valid if bits is None else valid + torch.cat([torch.zeros(1), lam * bits.float().cpu(), torch.zeros(2)])
+    full = k // chunk_k * chunk_k
+    codes = torch.empty(n, k, dtype=torch.int16)
+    if full:  # whole chunks: one lane per (row, chunk)
+        lanes = y[:, :full].reshape(n * (full // chunk_k), chunk_k)
+        codes[:, :full] = _viterbi(lanes, rate).reshape(n, full)
+    if full < k:
+        codes[:, full:] = _viterbi(y[:, full:].contiguous(), rate)
+    return codes
+
+
+def tcq_weight_levels(codes: torch.Tensor, chunk_k: int) -> torch.Tensor:
+    """Levels j [N, K] (float32) the decoder gives codes k [N, K] (rans.tcq_levels)."""
+    symbols = (codes.t().long() + rans.GRID_OFFSET).to(torch.uint8)
+    return rans.tcq_levels(symbols, chunk_k).t().float()
+
+
+def quantize_tcq(y: torch.Tensor, chunk_k: int, prob_bits: int = rans.DEFAULT_PROB_BITS,
+                 bits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Codes [N, K] of y = w / step: TCQ_PASSES trellis searches at TCQ_LAMBDA x the coded bits
+    per symbol under the table of the previous pass; the first pass under `bits` (a table of
+    a previous, similar search), or without a table and one pass more."""
+    passes = TCQ_PASSES if TCQ_LAMBDA > 0 else 0
+    if bits is None or not passes:
+        codes = trellis_search(y, chunk_k)
+    else:
+        codes = trellis_search(y, chunk_k, TCQ_LAMBDA, bits)
+        passes -= 1
+    for _ in range(passes):
+        codes = trellis_search(y, chunk_k, TCQ_LAMBDA, symbol_bits(symbol_counts(codes).float(), prob_bits))
+    return codes
 
 
 @dataclass
@@ -217,9 +319,10 @@ def allocate(layers: List[_Layer], budget_bits: float, prob_bits: int, rate_awar
     return hi
 
 
-def encode_grid(result: GridResult, chunk_k: int, prob_bits: int) -> RansQuantizedWeight:
+def encode_grid(result: GridResult, chunk_k: int, prob_bits: int, weight_format: str = GRID
+                ) -> RansQuantizedWeight:
     symbols = (result.codes.t() + rans.GRID_OFFSET).to(torch.uint8)
-    return RansQuantizedWeight.from_codes(symbols, result.steps.unsqueeze(0).contiguous(), None, GRID, -1,
+    return RansQuantizedWeight.from_codes(symbols, result.steps.unsqueeze(0).contiguous(), None, weight_format, -1,
                                           chunk_k, prob_bits)
 
 
@@ -315,6 +418,17 @@ def least_squares_steps(w: torch.Tensor, q: torch.Tensor, steps: torch.Tensor) -
     return torch.where((qf != 0).any(1), fit, steps.float()).clamp(2.0 ** -14, 65504.0).half()
 
 
+def _coded(layer: _Layer, codes: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, table, prob_bits: int,
+           weight_format: str) -> RansQuantizedWeight:
+    """The coded layer of codes [N, K] (levels: what they decode to) on steps [N], with its
+    relative_error."""
+    deq = levels * steps.float().unsqueeze(1)
+    distortion = float((layer.weight - deq).pow(2).sum()) / max(layer.norm2, _TINY)
+    coded = encode_grid(GridResult(codes, steps, distortion, 0.0, table), layer.chunk_k, prob_bits, weight_format)
+    coded.relative_error = math.sqrt(distortion)
+    return coded
+
+
 def fit_layer(p: _Plan, name: str, quantize, refit_steps: bool = False) -> RansQuantizedWeight:
     """quantize(step, lam, bits_table) -> int16 q [N, K], at the plan's step, then at coarser
     steps until the coded layer fits its share of the budget; records it in the plan.
@@ -333,12 +447,9 @@ def fit_layer(p: _Plan, name: str, quantize, refit_steps: bool = False) -> RansQ
             for _ in range(refits):
                 steps = least_squares_steps(layer.weight, q, steps)
                 q = quantize(steps, lam, table if p.rate_aware else None)
-            deq = q.float() * steps.float().unsqueeze(1)
-            distortion = float((layer.weight - deq).pow(2).sum()) / max(layer.norm2, _TINY)
-            coded = encode_grid(GridResult(q, steps, distortion, 0.0, table), layer.chunk_k, p.prob_bits)
+            coded = _coded(layer, q, q.float(), steps, table, p.prob_bits, GRID)
             bits = 8 * coded.nbytes
             if bits <= target:
-                coded.relative_error = math.sqrt(distortion)
                 return coded
             # One bit per weight less per doubling of the step (high-rate slope); then 5% more.
             step *= 2.0 ** ((bits - target) / layer.num_weights) * 1.05 ** (attempt >= 3)
@@ -354,6 +465,45 @@ def fit_layer(p: _Plan, name: str, quantize, refit_steps: bool = False) -> RansQ
     return coded
 
 
+def fit_tcq_layer(p: _Plan, name: str) -> RansQuantizedWeight:
+    """The trellis search of one planned layer, at the step that fills its share of the
+    budget (FILL_TOLERANCE; a secant search in log step from the plan's grid step x
+    TCQ_STEP_RATIO: the plan's sizes are the scalar grid's). Each attempt searches on the
+    row steps of its base step, starting from the previous attempt's code table, then refits
+    the steps to the codes' levels by least squares; records the layer in the plan."""
+    layer = p.layers[name]
+    target = p.target_bits(name)
+    log_step = math.log2(layer.choice[p.lam] * TCQ_STEP_RATIO)
+    table, fitted, tried = None, None, []
+    for attempt in range(40):
+        steps = row_steps(layer.weight, 2.0 ** log_step, p.row_power, TCQ_MAX_LEVEL)
+        codes = quantize_tcq(layer.weight / steps.float().unsqueeze(1), layer.chunk_k, p.prob_bits, table)
+        levels = tcq_weight_levels(codes, layer.chunk_k)
+        # Searching again on the refitted (finer) steps would raise the rate: the budget is met
+        # at the search's steps and the refit only lowers the error of the codes found.
+        steps = least_squares_steps(layer.weight, levels, steps)
+        table = symbol_bits(symbol_counts(codes).float(), p.prob_bits)
+        coded = _coded(layer, codes, levels, steps, table, p.prob_bits, TCQ)
+        bits = 8 * coded.nbytes
+        tried.append((log_step, bits))
+        if bits <= target and (fitted is None or coded.relative_error < fitted.relative_error):
+            fitted = coded
+        if fitted is not None and (target - bits <= FILL_TOLERANCE * target or bits > target
+                                   or len(tried) > FILL_ATTEMPTS):
+            p.done(name, fitted)
+            return fitted
+        # Secant in log2(step) (start: the high-rate slope, one bit per weight per doubling),
+        # aiming inside the tolerance; 5% coarser per attempt after the third miss.
+        slope = -layer.num_weights
+        if len(tried) > 1 and tried[-1][0] != tried[-2][0]:
+            measured = (tried[-1][1] - tried[-2][1]) / (tried[-1][0] - tried[-2][0])
+            slope = min(max(measured, -2.0 * layer.num_weights), -0.5 * layer.num_weights)
+        log_step += (target * (1 - FILL_TOLERANCE / 2) - bits) / slope
+        log_step += math.log2(1.05) * (attempt >= 3 and bits > target)
+    raise RuntimeError(f"{name}: could not fit the trellis-coded grid into {target / layer.num_weights:.3f} "
+                       f"bits per weight")
+
+
 def _rtn(p: _Plan, name: str):
     w = p.layers[name].weight
 
@@ -363,17 +513,43 @@ def _rtn(p: _Plan, name: str):
     return quantize
 
 
+def round_to_nearest(p: _Plan, name: str, weight_format: str) -> RansQuantizedWeight:
+    """Round to nearest (the grid) or the trellis search (tcq) of one planned layer."""
+    if weight_format == TCQ:
+        return fit_tcq_layer(p, name)
+    return fit_layer(p, name, _rtn(p, name), refit_steps=True)
+
+
+def value_kind(weight_format: str, group_size: int, method: str) -> str:
+    """The value kind of bits= for quantize_model / from_linear's weight_format and group_size:
+    "grid" or "tcq" as named, else (the defaults "fp4", 128) tcq for round to nearest and the
+    grid for GPTQ, whose column-by-column error feedback has no trellis search."""
+    if (weight_format, group_size) == ("fp4", 128):
+        return GRID if method == "gptq" else TCQ
+    if weight_format not in (GRID, TCQ) or group_size != -1:
+        raise ValueError(f"bits= selects the grid (weight_format='grid' or 'tcq', group_size=-1); got "
+                         f"weight_format={weight_format!r}, group_size={group_size} (for lossless coding of a "
+                         f"4-bit format use entropy_code=True)")
+    if weight_format == TCQ and method == "gptq":
+        raise ValueError("weight_format='tcq' is made by round to nearest (method='rtn'); GPTQ with bits= "
+                         "quantizes onto the scalar grid (weight_format='grid')")
+    return weight_format
+
+
 def grid_weight(weight: torch.Tensor, bits: float, method: str = "rtn", hessian: Optional[torch.Tensor] = None,
                 act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-                prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None) -> RansQuantizedWeight:
+                prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
+                kind: Optional[str] = None) -> RansQuantizedWeight:
     """One float weight [N, K] on the grid at `bits` per weight (every byte of the coded
-    weight counted), round to nearest or GPTQ (`hessian`): MarlinLinear.from_linear(bits=...)."""
+    weight counted), round to nearest or GPTQ (`hessian`): MarlinLinear.from_linear(bits=...).
+    kind: "grid" or "tcq" (default: tcq for round to nearest, the grid for GPTQ; value_kind)."""
     if method not in ("rtn", "mse", "gptq"):
         raise ValueError(f"method must be 'rtn' (round to nearest) or 'gptq' with bits=, got {method!r}")
     if (method == "gptq") != (hessian is not None):
         raise ValueError("method='gptq' and hessian=H (mean(x x^T) of the layer's inputs) go together")
+    kind = value_kind(*(("fp4", 128) if kind is None else (kind, -1)), method)
     p = plan({"layer": weight}, bits, prob_bits, chunk_k)
     if hessian is None:
-        return fit_layer(p, "layer", _rtn(p, "layer"), refit_steps=True)
+        return round_to_nearest(p, "layer", kind)
     return fit_layer(p, "layer", lambda steps, lam, table: gptq_grid(
         weight, hessian, steps, lam, table, act_order, damp, block_size))

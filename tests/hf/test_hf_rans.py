@@ -28,15 +28,16 @@ def _load_and_compare(dst, src):
     return layers, torch.nn.functional.cosine_similarity(logits.flatten(), float_logits.flatten(), dim=0)
 
 
-def test_cli_bits_writes_a_checkpoint_within_the_budget(tiny_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("argv,kind", [([], "tcq"), (["--format", "grid"], "grid")])
+def test_cli_bits_writes_a_checkpoint_within_the_budget(tiny_model_dir, tmp_path, capsys, argv, kind):
     src = tiny_model_dir("llama")
     dst = str(tmp_path / "rans")
-    assert cli_main(["convert", src, dst, "--bits", "4.5", "--no-progress"]) == 0
-    assert "entropy-coded grid" in capsys.readouterr().out
+    assert cli_main(["convert", src, dst, "--bits", "4.5", "--no-progress"] + argv) == 0
+    assert "entropy-coded" in capsys.readouterr().out
     qc = read_config(dst)["quantization_config"]
     entries = qc["modules"]
-    assert all(e["layout"] == "rans" and e["weight_format"] == "grid" and e["group_size"] == -1
-               for e in entries.values())
+    assert all(e["layout"] == "rans" and e["weight_format"] == kind and e["group_size"] == -1
+               for e in entries.values())  # tcq: the default of round to nearest
     assert qc["source"]["bits"] == 4.5
     layers, cosine = _load_and_compare(dst, src)
     assert set(layers) == set(entries)
@@ -65,6 +66,8 @@ def test_cli_entropy_code_is_lossless(tiny_model_dir, tmp_path):
     (["--bits", "0.5"], "--bits must be in"),
     (["--bits", "3.5", "--sparsity", "2:4"], "without --sparsity"),
     (["--bits", "3.5", "--method", "gptq"], "go together"),
+    (["--format", "tcq"], "add --bits"),
+    (["--format", "tcq", "--entropy-code"], "add --bits"),
 ])
 def test_cli_bad_input(tiny_model_dir, tmp_path, capsys, argv, message):
     assert cli_main(["convert", tiny_model_dir("llama"), str(tmp_path / "x")] + argv) != 0

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import formats
+from ..layouts.rans import GRID_KINDS
 from ..calibration import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, CalibrationError
 from ..model import QuantizationReport, matches_any, quantize_model
 from ..moe_gptq import describe_expert_errors
@@ -228,8 +229,8 @@ def convert_with_calibration(src: str, dst: str, calibration: str, weight_format
         options.update(damp=damp, block_size=block_size)
     if coded:
         options.update(bits=bits, entropy_code=entropy_code)
-        if bits is not None:
-            weight_format, group_size = "grid", -1
+        if bits is not None:  # "grid" / "tcq" name the value kind, other formats ask for the method's default
+            weight_format, group_size = (weight_format, -1) if weight_format in GRID_KINDS else ("fp4", 128)
     report = quantize_model(model, weight_format, group_size, include=targets,
                             method=quantizer if method == "rtn" else method, sparsity=sparsity,
                             calibration=batches, **options)

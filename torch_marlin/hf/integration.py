@@ -96,7 +96,7 @@ def marlin_config(**kwargs):
 def _define_classes():
     from transformers.quantizers.base import HfQuantizer
 
-    from ..layouts.rans import GRID
+    from ..layouts.rans import GRID_KINDS
     from transformers.utils.quantization_config import QuantizationConfigMixin
 
     class MarlinConfig(QuantizationConfigMixin):
@@ -111,7 +111,7 @@ def _define_classes():
                      modules_to_not_convert: Optional[List[str]] = None, modules: Optional[dict] = None,
                      format_version: int = FORMAT_VERSION, source: Optional[dict] = None,
                      fuse_projections: bool = False, **kwargs):
-            if modules is None or weight_format != GRID:  # "grid" only names converted entropy-coded layers
+            if modules is None or weight_format not in GRID_KINDS:  # only name converted entropy-coded layers
                 formats.check_weight_format(weight_format)
                 formats.check_group_size(group_size)
             if quantizer not in quantizer_names():  # quantize-on-load has no calibration data

@@ -1,5 +1,6 @@
 """The entropy-coded layout ("rans", docs/FORMAT.md): codes of a 4-bit format
-(lossless) or of a fine uniform grid ("grid") coded with interleaved rANS
+(lossless) or of a fine uniform grid ("grid", or "tcq": the grid read through a
+4-state trellis) coded with interleaved rANS
 (torch_marlin/rans.py), decoded inside the ops `torch.ops.marlin.rans_gemm` /
 `rans_decode` (C++ and Metal). This module has the layout class, its
 float64 reference dequantization, and the fake kernels and autograd of its
@@ -20,8 +21,14 @@ from .. import ops  # noqa: F401  (loads torch.ops.marlin)
 from .base import QuantizedLayout, fake_gemm_output, register_layout
 
 GRID = "grid"  # weight_format of the uniform-grid value kind (this layout only)
-GRID_FORMAT_NUMBER = 64  # its number in the state_dict descriptor
-WEIGHT_FORMATS = formats.WEIGHT_FORMATS + (GRID,)
+TCQ = "tcq"  # the trellis-coded grid (this layout only): rans.tcq_levels
+GRID_KINDS = rans.GRID_KINDS
+GRID_FORMAT_NUMBERS = {GRID: 64, TCQ: 65}  # their numbers in the state_dict descriptor
+WEIGHT_FORMATS = formats.WEIGHT_FORMATS + GRID_KINDS
+# Whether this build's rans_gemm has the "tcq" kind (the CPU and Metal kernels of
+# h-tcq-cpu / h-tcq-metal). Until then linear() decodes "tcq" through the reference
+# path: main's kernels have no branch for it and must not be called with it.
+TCQ_IN_OPS = False
 
 
 def has_ops() -> bool:
@@ -29,13 +36,18 @@ def has_ops() -> bool:
     return hasattr(torch.ops.marlin, "rans_gemm") and hasattr(torch.ops.marlin, "rans_decode")
 
 
+def has_gemm_op(weight_format: str) -> bool:
+    """Whether rans_gemm of this build computes `weight_format`."""
+    return has_ops() and (weight_format != TCQ or TCQ_IN_OPS)
+
+
 def check_weight_format(weight_format, group_size) -> None:
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     formats.check_group_size(group_size)
-    if weight_format == GRID and group_size != -1:
-        raise ValueError(f"group_size must be -1 for weight_format='grid' (one step per output column), "
-                         f"got {group_size}")
+    if weight_format in GRID_KINDS and group_size != -1:
+        raise ValueError(f"group_size must be -1 for weight_format={weight_format!r} (one step per output "
+                         f"column), got {group_size}")
 
 
 def default_chunk_k(k: int, group_size: int) -> int:
@@ -57,11 +69,17 @@ def stored_rows(in_features: int, group_size: int) -> int:
 
 
 def dense_from_symbols(symbols: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                       weight_format: str, group_size: int, dtype=torch.float64) -> torch.Tensor:
-    """B [K, N] from decoded symbols [K, N] and scales (zeros), computed in `dtype`."""
+                       weight_format: str, group_size: int, dtype=torch.float64,
+                       chunk_k: Optional[int] = None) -> torch.Tensor:
+    """B [K, N] from decoded symbols [K, N] (from the stream's first row) and scales (zeros),
+    computed in `dtype`; "tcq" needs the stream's chunk_k (its trellis restarts per chunk)."""
     k = symbols.shape[0]
     if weight_format == GRID:
         return (symbols.to(dtype) - rans.GRID_OFFSET) * scales.to(dtype)
+    if weight_format == TCQ:
+        if chunk_k is None:
+            raise ValueError("chunk_k is required for weight_format='tcq'")
+        return rans.tcq_levels(symbols, chunk_k).to(dtype) * scales.to(dtype)
     rows = k if group_size == -1 else group_size
     per_row = lambda t: None if t is None else t.to(dtype).repeat_interleave(rows, dim=0)[:k]
     # A table made here, not the descriptor's cached tensor: rans_gemm's backward runs this
@@ -106,7 +124,7 @@ class RansQuantizedWeight(QuantizedLayout):
                    weight_format: str, group_size: int, chunk_k: Optional[int] = None,
                    prob_bits: int = rans.DEFAULT_PROB_BITS, in_features: Optional[int] = None
                    ) -> "RansQuantizedWeight":
-        """Code symbols [K, N] (4-bit codes, or grid symbols q + 128) with their scales (zeros);
+        """Code symbols [K, N] (4-bit codes, or grid / tcq symbols q + 128) with their scales (zeros);
         K = stored_rows(in_features, group_size) (in_features defaults to K)."""
         check_weight_format(weight_format, group_size)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
@@ -150,7 +168,8 @@ class RansQuantizedWeight(QuantizedLayout):
         n_chunks = rans.num_blocks(out_features) * rans.num_kchunks(k, chunk_k)
         groups = num_groups(k, group_size)
         scales = torch.zeros(groups, out_features, dtype=torch.float16, device=device)
-        zeros = torch.zeros_like(scales) if weight_format != GRID and formats.has_zeros(weight_format) else None
+        zeros = torch.zeros_like(scales) if weight_format not in GRID_KINDS and formats.has_zeros(weight_format) \
+            else None
         freqs = torch.zeros(rans.alphabet_size(weight_format), dtype=torch.int16, device=device)
         return cls(torch.zeros(num_words, dtype=torch.int16, device=device),
                    torch.zeros(n_chunks + 1, dtype=torch.int32, device=device),
@@ -161,8 +180,8 @@ class RansQuantizedWeight(QuantizedLayout):
     def from_float(cls, weight, weight_format, group_size, method="mse") -> "RansQuantizedWeight":
         """Lossless coding of the dense quantization (`method`) of a 4-bit format; the
         rate-controlled grid takes a bit budget instead (torch_marlin.rans_quantize)."""
-        if weight_format == GRID:
-            raise ValueError("weight_format='grid' is made by the rate-controlled quantizer: "
+        if weight_format in GRID_KINDS:
+            raise ValueError(f"weight_format={weight_format!r} is made by the rate-controlled quantizer: "
                              "MarlinLinear.from_linear(linear, bits=...) or quantize_model(model, bits=...)")
         from .dense import quantize_weight
 
@@ -211,16 +230,16 @@ class RansQuantizedWeight(QuantizedLayout):
         sym = rans.decode(self.words, self.word_offsets, self.states, self.freqs, self.stored_k,
                           self.out_features, self.chunk_k, self.prob_bits)[: self.in_features]
         b = dense_from_symbols(sym, self.scales.cpu(), None if self.zeros is None else self.zeros.cpu(),
-                               self.weight_format, self.group_size)
+                               self.weight_format, self.group_size, chunk_k=self.chunk_k)
         return b.t().to(device=self.scales.device, dtype=dtype)
 
     def weight(self, dtype=torch.float32) -> torch.Tensor:
         b = dense_from_symbols(self.symbols(), self.scales, self.zeros, self.weight_format, self.group_size,
-                               torch.float32)
+                               torch.float32, self.chunk_k)
         return b.t().to(dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if has_ops():
+        if has_gemm_op(self.weight_format):
             pad = self.stored_k - self.in_features
             if pad:
                 x = torch.nn.functional.pad(x, (0, pad))
@@ -233,17 +252,18 @@ class RansQuantizedWeight(QuantizedLayout):
     # --- descriptor -----------------------------------------------------------------
 
     def descriptor(self) -> List[int]:
-        number = GRID_FORMAT_NUMBER if self.weight_format == GRID else formats.WEIGHT_FORMATS.index(
-            self.weight_format)
+        number = GRID_FORMAT_NUMBERS[self.weight_format] if self.weight_format in GRID_KINDS \
+            else formats.WEIGHT_FORMATS.index(self.weight_format)
         return [self.LAYOUT_CODE, number, self.group_size, self.in_features, self.chunk_k, self.prob_bits]
 
     @classmethod
     def knows_format_number(cls, number: int) -> bool:
-        return number == GRID_FORMAT_NUMBER or super().knows_format_number(number)
+        return number in GRID_FORMAT_NUMBERS.values() or super().knows_format_number(number)
 
     @classmethod
     def describe_extra(cls, text: str, extra: List[int]) -> str:
-        text = text.replace(f"#{GRID_FORMAT_NUMBER}", repr(GRID))
+        for kind, number in GRID_FORMAT_NUMBERS.items():
+            text = text.replace(f"#{number}", repr(kind))
         if len(extra) == 2:
             text += f", chunk_k={extra[0]}, prob_bits={extra[1]}"
         return text
@@ -256,7 +276,7 @@ def check_scales(scales, zeros, weight_format: str, group_size: int, k: int, n: 
     groups = num_groups(k, group_size)
     formats._check_group_tensor(scales, "scales", groups, n, scales.device if isinstance(scales, torch.Tensor)
                                 else None)
-    if weight_format != GRID and formats.has_zeros(weight_format):
+    if weight_format not in GRID_KINDS and formats.has_zeros(weight_format):
         if zeros is None:
             raise ValueError(f"zeros is required for weight_format={weight_format!r}")
         formats._check_group_tensor(zeros, "zeros", groups, n, scales.device)
@@ -293,7 +313,7 @@ def _register_op_python_parts() -> None:
         if ctx.needs_input_grad[0]:
             sym = torch.ops.marlin.rans_decode(words, word_offsets, states, freqs, k, scales.shape[1], chunk_k,
                                                prob_bits)
-            b = dense_from_symbols(sym, scales, zeros, weight_format, gs, torch.float32).to(ctx.x_dtype)
+            b = dense_from_symbols(sym, scales, zeros, weight_format, gs, torch.float32, chunk_k).to(ctx.x_dtype)
             grad_x = grad @ b.t()
         if ctx.has_bias and ctx.needs_input_grad[7]:
             grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
