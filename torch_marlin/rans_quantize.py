@@ -108,44 +108,61 @@ def symbol_counts(q: torch.Tensor) -> torch.Tensor:
 
 # --- trellis-coded grid ("tcq") -----------------------------------------------------------
 
-TCQ_MAX_LEVEL = 2 * MAX_Q  # |j| of k = +-127 in states 0, 1
+# |y| = |w| / step bound: the candidates floor(y / 2) - 1 .. + 2 of the search stay within |k| <= 127.
+TCQ_MAX_LEVEL = 2 * MAX_Q - 4
 
 
-def _viterbi(y: torch.Tensor, rate: torch.Tensor) -> torch.Tensor:
+_BRANCH_BLOCK = 1 << 17  # lanes x steps of branch costs computed at once (cache-sized: measured)
+
+
+def _branch_costs(y: torch.Tensor, rate: Optional[torch.Tensor]):
+    """For y [S, L] (|y| <= TCQ_MAX_LEVEL): the cost and code of the best k per quantizer q
+    (0: level 2k, 1: 2k - sign(k)) and parity of k, both [S, L, q, parity], the cost being
+    (y - level)^2 + rate[k + 128]. Candidates k = floor(y / 2) - 1 + i, i = 0..3: the two
+    nearest levels of each parity in either quantizer."""
+    base = torch.floor(y * 0.5) - 1
+    k = base.unsqueeze(-1) + torch.arange(4, dtype=torch.float32)  # [S, L, i]
+    yy = y.unsqueeze(-1)
+    d = torch.stack(((yy - 2 * k).square_(), (yy - 2 * k + torch.sign(k)).square_()), -2)  # [S, L, q, i]
+    if rate is not None:
+        d += rate[(k + rans.GRID_OFFSET).long()].unsqueeze(-2)
+    # i = 2a + c: candidates c and 2 + c have the same parity, (base + c) & 1.
+    farther = d[..., 2:] < d[..., :2]
+    best = torch.minimum(d[..., :2], d[..., 2:])
+    codes = base[..., None, None] + 2 * farther + torch.arange(2)
+    odd_base = (base.long() & 1).bool()[..., None, None]  # class 0 holds the odd k
+    return (torch.where(odd_base, best.flip(-1), best),
+            torch.where(odd_base, codes.flip(-1), codes).to(torch.int16))
+
+
+def _viterbi(y: torch.Tensor, rate: Optional[torch.Tensor]) -> torch.Tensor:
     """Codes k [L, T] (int16) of lanes y [L, T] (each lane one trellis run from state 0)
-    minimising sum_t (y_t - j_t)^2 + rate[k_t + 129]; rate [259] is inf outside |k| <= 127.
+    minimising sum_t (y_t - j_t)^2 + rate[k_t + 128] (rate: None or [256]).
 
     States 0, 1 read k as level 2k, states 2, 3 as 2k - sign(k); the next state is
-    (state >> 1) | ((state ^ k) & 1) << 1. For each quantizer q (state >> 1) and parity of k
-    the best of the candidates is kept; new state 2h + q comes from the states 2q + low
-    whose k has parity low ^ h, so the step is one min over `low`."""
+    (state >> 1) | ((state ^ k) & 1) << 1. The best k per quantizer (state >> 1) and parity
+    does not depend on the path (_branch_costs, computed for many steps at once); new state
+    2h + q comes from the states 2q + low with a k of parity low ^ h: one min over `low`."""
     lanes, steps = y.shape
-    yt_all = y.t().contiguous()
-    offsets = torch.arange(4, dtype=torch.float32)  # k = floor(y / 2) - 1 + i: the two nearest of each parity
-    cost = torch.full((lanes, 4), float("inf"))
-    cost[:, 0] = 0
-    choice = torch.empty(steps, lanes, 4, dtype=torch.int8)  # the `low` of each new state
+    yt = y.t().contiguous()
+    cost = torch.full((lanes, 2, 2), float("inf"))  # [L, q, low] = state 2q + low
+    cost[:, 0, 0] = 0
+    choice = torch.empty(steps, lanes, 2, 2, dtype=torch.bool)  # [t, L, h, q]: the `low` of new state 2h + q
     picks = torch.empty(steps, lanes, 2, 2, dtype=torch.int16)  # best k per (quantizer, parity)
-    flip = torch.tensor([1, 0])
-    for t in range(steps):
-        yt = yt_all[t].unsqueeze(1)
-        base = torch.floor(yt * 0.5) - 1
-        k = base + offsets  # [L, 4]; index i has parity (base + i) & 1: classes i & 1
-        r = rate[(k.long() + 129).clamp_(0, rate.numel() - 1)]
-        d = torch.stack(((yt - 2 * k).square_() + r, (yt - 2 * k + torch.sign(k)).square_() + r), 1)
-        best, a = d.view(lanes, 2, 2, 2).min(2)  # [L, q, class], class = i & 1, i = 2a + class
-        kc = (base.unsqueeze(1) + 2 * a + torch.arange(2)).to(torch.int16)  # [L, q, class]
-        swap = (base.long() & 1).view(lanes, 1, 1).expand(lanes, 2, 2)  # class 0 is odd when base is odd
-        order = torch.arange(2).view(1, 1, 2) ^ swap  # [L, q, parity] -> class
-        vp = best.gather(2, order)
-        picks[t] = kc.gather(2, order)
-        c = cost.view(lanes, 2, 2)  # [L, q, low]
-        cand = torch.stack((c + vp, c + vp[:, :, flip]), 1).view(lanes, 4, 2)  # [L, 2h + q, low]
-        cost, low = cand.min(2)
-        choice[t] = low.to(torch.int8)
+    block = max(1, _BRANCH_BLOCK // lanes)
+    for t0 in range(0, steps, block):
+        by_parity, picks[t0:t0 + block] = _branch_costs(yt[t0:t0 + block], rate)
+        swapped = by_parity.flip(-1)  # [.., q, low] -> the branch of parity low ^ 1
+        for t in range(by_parity.shape[0]):
+            stay, move = cost + by_parity[t], cost + swapped[t]  # h = 0, 1: parity low ^ h
+            choice[t0 + t, :, 0] = stay[..., 1] < stay[..., 0]
+            choice[t0 + t, :, 1] = move[..., 1] < move[..., 0]
+            cost = torch.stack((torch.minimum(stay[..., 0], stay[..., 1]),
+                                torch.minimum(move[..., 0], move[..., 1])), 1)  # [L, h, q] = [L, q', low']
     codes = torch.empty(steps, lanes, dtype=torch.int16)
-    state = cost.argmin(1)
+    state = cost.view(lanes, 4).argmin(1)
     rows = torch.arange(lanes)
+    choice = choice.view(steps, lanes, 4)
     for t in range(steps - 1, -1, -1):
         low = choice[t, rows, state].long()
         q, h = state & 1, state >> 1
@@ -163,9 +180,7 @@ def trellis_search(y: torch.Tensor, chunk_k: int, lam: float = 0.0,
     # Refitted steps may be a little finer than row_steps': keep every weight within reach.
     y = y.detach().to(device="cpu", dtype=torch.float32).clamp(-TCQ_MAX_LEVEL, TCQ_MAX_LEVEL)
     n, k = y.shape
-    valid = torch.zeros(259, dtype=torch.float32)  # index k + 129, k in -129 .. 129
-    valid[:2] = valid[-2:] = float("inf")
-    rate = valid if bits is None else valid + torch.cat([torch.zeros(1), lam * bits.float().cpu(), torch.zeros(2)])
+    rate = None if bits is None else lam * bits.float().cpu()
     full = k // chunk_k * chunk_k
     codes = torch.empty(n, k, dtype=torch.int16)
     if full:  # whole chunks: one lane per (row, chunk)
