@@ -9,7 +9,7 @@
 - Trellis-coded grid ("tcq", the default of round to nearest with `bits=`): the same
   codes read through the 4-state trellis of docs/FORMAT.md (levels j * step[n]); the
   codes are chosen by a Viterbi search per row and chunk (`trellis_search`), which
-  minimises the squared error plus TCQ_LAMBDA x the codes' coded bits.
+  minimises the squared error (plus TCQ_LAMBDA x the codes' coded bits, off by default).
 
 The allocation is the Lagrangian one: every layer minimises D_l + lambda * R_l at one
 common lambda (equal slope), and lambda is searched so that sum R_l meets the budget.
@@ -41,8 +41,11 @@ RDO_PASSES = 2
 REFIT_STEPS = 3  # round-to-nearest rounds again after refitting the steps: docs/ENTROPY.md
 ROW_POWER = 1.0  # step of row n ~ rms(row)^ROW_POWER: measured in docs/ENTROPY.md
 RATE_AWARE = False  # rate-aware rounding by default: measured in docs/ENTROPY.md
-TCQ_LAMBDA = 0.1  # trellis search: step^2 per coded bit (docs/ENTROPY.md)
-TCQ_PASSES = 2  # searches again with the table of the previous pass
+# Rate-aware trellis search: TCQ_LAMBDA step^2 per coded bit, TCQ_PASSES searches with the
+# table of the previous pass. Off by default: it lowers the weight error at a given size but
+# not the embedding error (measured in docs/ENTROPY.md), as rate-aware rounding on the grid.
+TCQ_LAMBDA = 0.0
+TCQ_PASSES = 2
 TCQ_STEP_RATIO = 0.5  # tcq step / the allocation's grid step (levels j are twice as dense)
 FILL_ATTEMPTS = 3  # tcq: finer steps tried while a layer is this far below its share
 FILL_TOLERANCE = 0.003  # ... by more than this fraction
