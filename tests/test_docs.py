@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import torch_marlin
-from torch_marlin import formats
+from torch_marlin import formats, rans
 from torch_marlin.quantize import quantizer_names
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_convert_md_synopsis():
     # The formats are docs/FORMAT.md's (test_format_md_formats_and_numbers) and --help's choices.
     assert re.search(r"--format (\w+)", text).group(1) == "FORMAT"
     choices = next(a.choices for a in _convert_parser()._actions if a.dest == "weight_format")
-    assert tuple(choices) == formats.WEIGHT_FORMATS
+    assert tuple(choices) == formats.WEIGHT_FORMATS + rans.GRID_KINDS  # the grid kinds with --bits
     assert tuple(int(g) for g in re.search(r"--group-size ([-\d|]+)", text).group(1).split("|")) == formats.GROUP_SIZES
     assert tuple(re.search(r"--quantizer (\w+(?:\|\w+)*)", text).group(1).split("|")) == quantizer_names()
 
