@@ -156,7 +156,8 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     bits=<float> selects the entropy-coded layout (docs/ENTROPY.md): every selected linear
     layer on a uniform grid, rate-allocated so that the coded weights average at most
     `bits` bits per weight, every byte counted; method "rtn" (default) or "gptq" with
-    `calibration`. entropy_code=True codes the dense result (weight_format, group_size,
+    `calibration`. weight_format "tcq" (the trellis-coded grid, the default of "rtn") or
+    "grid" (the scalar grid, the one of "gptq"), group_size -1, chooses the value kind. entropy_code=True codes the dense result (weight_format, group_size,
     method as without it) losslessly instead. Neither codes expert stacks (refused)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -318,8 +319,8 @@ def _quantize_model_entropy_coded(model: nn.Module, weight_format: str, group_si
         return report
     bits = check_bits(bits)
     kind = value_kind(weight_format, group_size, "gptq" if method == "gptq" else "rtn")
-    report = QuantizationReport(method_name=f"entropy-coded {'trellis-coded ' if kind == TCQ else ''}grid "
-                                            f"(round to nearest)")
+    report = QuantizationReport(method_name=f"entropy-coded {'trellis-coded grid (tcq)' if kind == TCQ else 'grid'}"
+                                            f" (round to nearest)")
     report.experts_skipped = [name for name in supported if name not in selected]  # left in float
     targets = select_linear_layers(model, include_p, exclude_p, report)
     if not targets:
