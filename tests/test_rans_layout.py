@@ -202,6 +202,8 @@ def test_quantize_model_gptq_bits():
     report = tm.quantize_model(model, bits=3.5, method="gptq", calibration=calibration)
     assert _grid_bits(model, report.replaced) <= 3.5
     assert set(report.output_errors) == set(report.replaced)
+    # GPTQ has no trellis search: it quantizes onto the scalar grid.
+    assert all(model.get_submodule(n).quantized_weight().weight_format == "grid" for n in report.replaced)
 
 
 def test_lossless_entropy_code_model():
@@ -350,6 +352,21 @@ def test_tcq_search_beats_the_grid_at_the_same_size():
         errors[kind] = float((module.dequantize() - w).norm() / w.norm())
         assert abs(errors[kind] - module.quantization_error) < 1e-5
     assert errors["tcq"] < 0.95 * errors["grid"]
+
+
+def test_rate_aware_trellis_search_meets_the_budget(monkeypatch):
+    """The rate-aware search (off by default) takes its own codes, stays within the budget
+    and reports the error of the weight it decodes to."""
+    from torch_marlin import rans_quantize
+
+    linear = _model(10)[0]
+    plain = tm.MarlinLinear.from_linear(linear, "tcq", -1, bits=3.0)
+    monkeypatch.setattr(rans_quantize, "TCQ_LAMBDA", 0.3)
+    aware = tm.MarlinLinear.from_linear(linear, "tcq", -1, bits=3.0)
+    assert _grid_bits(aware, [""]) <= 3.0
+    w = linear.weight.detach()
+    assert abs(float((aware.dequantize() - w).norm() / w.norm()) - aware.quantization_error) < 1e-5
+    assert not torch.equal(aware.quantized_weight().symbols(), plain.quantized_weight().symbols())
 
 
 def test_trellis_search_is_the_best_path():
