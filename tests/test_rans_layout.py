@@ -135,6 +135,18 @@ def test_quantize_model_bits_meets_the_target(bits, kind):
             assert (model(x) - ref).norm() < (dense(x) - ref).norm()
 
 
+@pytest.mark.parametrize("kind", ["tcq", "grid"])
+def test_chunk_k_is_at_most_k_rounded_up(kind):
+    """quantize_model(chunk_k=...) is the longest chunk: layers with a smaller K get one chunk
+    of K rounded up to 32 (the kernels refuse longer ones), and the model runs."""
+    model = _model()
+    report = tm.quantize_model(model, kind, -1, bits=3.5, chunk_k=1024)
+    for name in report.replaced:
+        q = model.get_submodule(name).quantized_weight()
+        assert q.chunk_k == -(-q.in_features // 32) * 32
+    assert model(torch.randn(2, 256)).shape == (2, 100)
+
+
 def test_grid_round_to_nearest_on_the_steps():
     """Without rate-aware rounding every code is the nearest grid point of its weight."""
     torch.manual_seed(4)

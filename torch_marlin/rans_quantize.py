@@ -47,8 +47,8 @@ RATE_AWARE = False  # rate-aware rounding by default: measured in docs/ENTROPY.m
 TCQ_LAMBDA = 0.0
 TCQ_PASSES = 2
 TCQ_STEP_RATIO = 0.5  # tcq step / the allocation's grid step (levels j are twice as dense)
-FILL_ATTEMPTS = 3  # tcq: finer steps tried while a layer is this far below its share
-FILL_TOLERANCE = 0.003  # ... by more than this fraction
+FILL_TOLERANCE = 0.003  # tcq: a layer at most this fraction below its share of the budget is done
+FILL_ATTEMPTS = 3  # ... or, once one attempt fitted, after this many attempts (the closest that fitted)
 WEIGHTING = "weight"
 # "layer": every layer's relative error ||W - Wq||^2 / ||W||^2 counts once; "weight":
 # it counts once per weight (the same relative step everywhere). Measured: docs/ENTROPY.md.
@@ -180,7 +180,7 @@ def trellis_search(y: torch.Tensor, chunk_k: int, lam: float = 0.0,
     and chunk of chunk_k columns (each starting in state 0) the path minimising
     sum (y - j)^2 + lam * bits[k + 128] (bits: coded bits per symbol; plain distortion without)."""
     chunk_k = rans.check_chunk_k(chunk_k)
-    # Refitted steps may be a little finer than row_steps': keep every weight within reach.
+    # Steps finer than row_steps' (absmax / TCQ_MAX_LEVEL) clamp the weights beyond reach.
     y = y.detach().to(device="cpu", dtype=torch.float32).clamp(-TCQ_MAX_LEVEL, TCQ_MAX_LEVEL)
     n, k = y.shape
     rate = None if bits is None else lam * bits.float().cpu()
@@ -273,7 +273,9 @@ def _layer(name: str, weight: torch.Tensor, chunk_k: Optional[int], weighting: s
     if not torch.isfinite(w).all():
         raise ValueError(f"{name}: weight contains NaN or Inf")
     n, k = w.shape
-    chunk = default_grid_chunk_k(k) if chunk_k is None else rans.check_chunk_k(chunk_k)
+    # chunk_k is the longest chunk: the kernels take at most K rounded up to 32.
+    chunk = default_grid_chunk_k(k) if chunk_k is None else min(rans.check_chunk_k(chunk_k),
+                                                                -(-k // rans.LANES) * rans.LANES)
     rows = max(1, min(n, _SEARCH_WEIGHTS // k))
     index = torch.linspace(0, n - 1, rows).round().long().unique()
     importance = 1.0 if weighting == "layer" else float(w.numel())
