@@ -78,7 +78,7 @@ struct RansGrid : RansStateless {
   static float raw(uint s) { return float(int(s) - rans::kGridOffset); }
 };
 
-// RansTcq ("tcq", docs/FORMAT.md): the grid's symbols through a 4-state
+// RansTcq (weight_format "tcq"): the grid's symbols through a 4-state
 // trellis per lane, state sigma = 0 at each chunk's first step. With k = s -
 // 128 the value is j = 2k in states 0, 1 (raw) and 2k - sign(k) in states 2, 3
 // (raw_alt), times the column's step; then sigma = (sigma >> 1) | (((sigma ^
