@@ -569,24 +569,30 @@ def bench_sparse_device(fmt, gs, cache_bytes=256 << 20):
 # 32-bit multiply; 2 simd collectives (prefix sum, sum). The 16-bit entry
 # fields and the half raw value are free instruction sources.
 RANS_NEXT = (14, 2, 2)  # (simple, complex, simd collectives)
+# "tcq": RansTcq::value per lane and step: compare + select of the entry's two
+# levels, xor and and of the next state bit, the move of the other bit (full
+# rate; 3 if the compiler fuses compare-select and renames the move away).
+RANS_TCQ_STATE = 5
 
 
-def rans_gemv_costs(fmt, gs, m, bits, dtype="f16"):
+def rans_gemv_costs(fmt, gs, m, bits, dtype="f16", tcq=False):
     """rans_gemv: (simple, complex, simd, DRAM bytes) per weight for M = m rows at `bits` coded bits per
-    weight. Per step besides the decode: x pointer and loop (3); per row an fma, the x address (rows > 1),
-    the sum of x (formats with zeros), a bf16 conversion; per group the scale (negligible)."""
+    weight. Per step besides the decode: x pointer and loop (3), tcq's trellis state; per row an fma, the x
+    address (rows > 1), the sum of x (formats with zeros), a bf16 conversion; per group the scale
+    (negligible)."""
     simple, complex_, simd = RANS_NEXT
     per_row = 1 + (1 if has_zeros(fmt) else 0)
-    simple += 3 + m * per_row + (m - 1)
+    simple += 3 + (RANS_TCQ_STATE if tcq else 0) + m * per_row + (m - 1)
     complex_ += m if dtype == "bf16" else 0
     return simple, complex_, simd, bits / 8 + param_bytes(fmt, gs)
 
 
-def rans_gemm_costs(fmt, gs, bits, tm=32):
+def rans_gemm_costs(fmt, gs, bits, tm=32, tcq=False):
     """rans_gemm: (simple, complex, simd, MMA lane-FMAs, bytes) per weight and M tile: the decode (+ loop 3,
-    the raw half's Bt address 1), the fp32 dequant of the fragment (uint4: sub + mul), the MMAs."""
+    tcq's trellis state, the raw half's Bt address 1), the fp32 dequant of the fragment (uint4: sub + mul),
+    the MMAs."""
     simple, complex_, simd = RANS_NEXT
-    simple += 3 + 1 + (2 if fmt == "uint4" else 1)
+    simple += 3 + (RANS_TCQ_STATE if tcq else 0) + 1 + (2 if fmt == "uint4" else 1)
     return simple, complex_, simd, tm / MMA_EFFICIENCY, bits / 8 + param_bytes(fmt, gs)
 
 
@@ -607,16 +613,23 @@ def report_rans_estimates(fmt, gs, bits):
     s, c, q, mma, nbytes = rans_gemm_costs(fmt, gs, bits)
     print(f"# rans_gemm per 32-row tile: {nbytes:.4f} bytes, {s} + {c} + {q} collectives per weight, "
           f"+ {mma:.0f} MMA lane-fma cycles")
-    print("# M = 1, 4096 x 4096: dense marlin_gemv against rans_gemv (collectives at 1 / 4 quarter-rate cycles)")
-    print(f"{'chip':12} {'cores':>5} {'GB/s':>6} {'GHz':>6} {'dense us':>9} {'rans us':>13} {'rans / dense':>13}")
+    s, c, q, _ = rans_gemv_costs(fmt, gs, 1, bits, tcq=True)
+    print(f"# tcq (grid symbols, one step per column): rans_gemv M=1 {s} + {c} + {q} collectives, rans_gemm per "
+          f"32-row tile {rans_gemm_costs(fmt, gs, bits, tcq=True)[0]} full-rate per weight")
+    print("# M = 1, 4096 x 4096: dense marlin_gemv against rans_gemv, lossless or grid and tcq (collectives at 1 / 4 "
+          "quarter-rate cycles)")
+    print(f"{'chip':12} {'cores':>5} {'GB/s':>6} {'GHz':>6} {'dense us':>9} {'rans us':>13} {'rans / dense':>13} "
+          f"{'tcq us':>13} {'tcq / dense':>13}")
     weights = 4096 * 4096
     for chip, (cores, gbs, ghz, _) in CHIPS.items():
         busy, share, dense_bytes = gemv_bound(chip, fmt, gs, 1)
         t_dense = weights * dense_bytes / (gbs * 1e9 * share) * 1e6
-        costs = rans_gemv_costs(fmt, gs, 1, bits)
-        t_rans = [weights / rans_weights_per_s(chip, *costs, simd_cycles=k) * 1e6 for k in (1, 4)]
-        print(f"{chip:12} {cores:5d} {gbs:6.1f} {ghz:6.3f} {t_dense:9.1f} {t_rans[0]:6.1f}-{t_rans[1]:<6.1f} "
-              f"{t_rans[0] / t_dense:6.1f}-{t_rans[1] / t_dense:.1f}x")
+        line = f"{chip:12} {cores:5d} {gbs:6.1f} {ghz:6.3f} {t_dense:9.1f}"
+        for tcq in (False, True):
+            costs = rans_gemv_costs(fmt, gs, 1, bits, tcq=tcq)
+            t = [weights / rans_weights_per_s(chip, *costs, simd_cycles=k) * 1e6 for k in (1, 4)]
+            line += f" {t[0]:6.1f}-{t[1]:<6.1f} {t[0] / t_dense:6.1f}-{t[1] / t_dense:.1f}x"
+        print(line)
 
 
 def rans_meta_inputs(m, n, k, fmt, gs, dtype, bits, chunk_k=1024, device="meta"):

@@ -17,7 +17,7 @@ MARLIN_CONSTEXPR unsigned kStateLow = 1u << 16;
 MARLIN_CONSTEXPR int kMinProbBits = 10;
 MARLIN_CONSTEXPR int kMaxProbBits = 15;
 MARLIN_CONSTEXPR int kLosslessSymbols = 16;  // a 4-bit format's codes
-MARLIN_CONSTEXPR int kGridSymbols = 256;     // "grid": value = symbol - 128
+MARLIN_CONSTEXPR int kGridSymbols = 256;     // "grid" (value = symbol - 128) and "tcq"
 MARLIN_CONSTEXPR int kGridOffset = 128;
 static_assert(kLanes == kSimdWidth, "one simdgroup decodes the 32 lanes of a chunk in lockstep");
 

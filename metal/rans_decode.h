@@ -9,8 +9,8 @@
 // contiguous words.
 //
 // Table (threadgroup memory, built by rans_build_table at kernel start): per
-// symbol a RansEntry (freq, cum, the symbol's raw value: the value format's
-// code value, or symbol - 128 for "grid"), then the bucket bytes
+// symbol a RansEntry (freq, cum, the symbol's raw values: the value format's
+// code value, symbol - 128 for "grid", tcq's two levels), then the bucket bytes
 // (metal/rans_common.h). A decode step: slot, bucket byte, entry (two
 // threadgroup loads), at most a few walks past symbols of the bucket, the
 // state update, the refill.
@@ -33,27 +33,11 @@
 
 using namespace metal;
 
-// Symbol values. RansLossless<F>: the codes of value format F (raw values and
-// group params exactly as the dense kernels: MarlinFormat<F>). RansGrid:
-// value = symbol - 128 times the column's step, no zeros (params as int4's:
-// scale unchanged).
-template <WeightFormat F>
-struct RansLossless {
-  static constexpr constant uint kSymbols = rans::kLosslessSymbols;
-  static constexpr constant WeightFormat kParams = F;
-  static float raw(uint s) { return float(MarlinFormat<F>::raw_pair(s, 0u).x); }
-};
-
-struct RansGrid {
-  static constexpr constant uint kSymbols = rans::kGridSymbols;
-  static constexpr constant WeightFormat kParams = kInt4;
-  static float raw(uint s) { return float(int(s) - rans::kGridOffset); }
-};
-
-// A symbol's table entry: (freq, cum, bits of its raw value as half, 0).
+// A symbol's table entry: (freq, cum, bits of its raw value as half, bits of
+// its second raw value as half: tcq's level in trellis states 2 and 3, else 0).
 // 16-bit fields: no shift or mask to unpack them (16-bit register halves are
-// instruction sources on Apple GPUs); the raw values of every format and of
-// the grid are exact in half.
+// instruction sources on Apple GPUs); the raw values of every format, of the
+// grid and of tcq are exact in half.
 typedef ushort4 RansEntry;
 
 struct RansTable {
@@ -66,6 +50,57 @@ struct RansTable {
 inline uint rans_freq(RansEntry e) { return e.x; }
 inline uint rans_cum(RansEntry e) { return e.y; }
 inline half rans_raw(RansEntry e) { return as_type<half>(e.z); }
+
+// Value kinds: a symbol's raw values in the table (static raw, raw_alt), the
+// group params as format kParams, and a lane's value state: made at each
+// chunk's first step (`V values;`), `values.value(s, e)` is the raw value of
+// the lane's next symbol s (table entry e) and advances the state.
+// RansStateless kinds map a symbol alone to its entry's raw value (no state,
+// s unused: the same code as reading the entry).
+struct RansStateless {
+  static float raw_alt(uint) { return 0.0f; }
+  half value(uint, RansEntry e) { return rans_raw(e); }
+};
+
+// RansLossless<F>: the codes of value format F (raw values and group params
+// exactly as the dense kernels: MarlinFormat<F>). RansGrid: value = symbol -
+// 128 times the column's step, no zeros (params as int4's: scale unchanged).
+template <WeightFormat F>
+struct RansLossless : RansStateless {
+  static constexpr constant uint kSymbols = rans::kLosslessSymbols;
+  static constexpr constant WeightFormat kParams = F;
+  static float raw(uint s) { return float(MarlinFormat<F>::raw_pair(s, 0u).x); }
+};
+
+struct RansGrid : RansStateless {
+  static constexpr constant uint kSymbols = rans::kGridSymbols;
+  static constexpr constant WeightFormat kParams = kInt4;
+  static float raw(uint s) { return float(int(s) - rans::kGridOffset); }
+};
+
+// RansTcq (weight_format "tcq"): the grid's symbols through a 4-state
+// trellis per lane, state sigma = 0 at each chunk's first step. With k = s -
+// 128 the value is j = 2k in states 0, 1 (raw) and 2k - sign(k) in states 2, 3
+// (raw_alt), times the column's step; then sigma = (sigma >> 1) | (((sigma ^
+// s) & 1) << 1). sigma is held as its two bits, hi = sigma >> 1 (selects the
+// level) and lo = sigma & 1: the update is hi' = (lo ^ s) & 1, lo' = hi.
+struct RansTcq {
+  static constexpr constant uint kSymbols = rans::kGridSymbols;
+  static constexpr constant WeightFormat kParams = kInt4;
+  static float raw(uint s) { return float(2 * (int(s) - rans::kGridOffset)); }
+  static float raw_alt(uint s) {
+    const int k = int(s) - rans::kGridOffset;
+    return float(2 * k - (k > 0 ? 1 : k < 0 ? -1 : 0));
+  }
+  uint hi = 0, lo = 0;
+  half value(uint s, RansEntry e) {
+    const ushort bits = hi != 0u ? e.w : e.z;
+    const uint was_hi = hi;
+    hi = (lo ^ s) & 1u;
+    lo = was_hi;
+    return as_type<half>(bits);
+  }
+};
 
 // Builds the table of V's S symbols from freqs (uint16 [S]) into `mem`
 // (rans::table_bytes(S) bytes) with all `threads` threads of the threadgroup,
@@ -84,7 +119,9 @@ inline RansTable rans_build_table(threadgroup RansEntry* mem, const device ushor
       const uint s = base + lane;
       const uint f = s < S ? uint(freqs[s]) : 0u;  // S = 16: half a simdgroup
       const uint cum = carry + simd_prefix_exclusive_sum(f);
-      if (s < S) mem[s] = RansEntry(ushort(f), ushort(cum), as_type<ushort>(half(V::raw(s))), ushort(0));
+      if (s < S)
+        mem[s] = RansEntry(ushort(f), ushort(cum), as_type<ushort>(half(V::raw(s))),
+                           as_type<ushort>(half(V::raw_alt(s))));
       carry += simd_sum(f);
     }
   }

@@ -16,9 +16,10 @@
 //      the raw halves and the column's group params (a stage lies in one
 //      group) exactly as the dense kernels' marlin_dequant_pair;
 //   3. threadgroup barrier (the next stage overwrites both tiles).
-// The rANS state stays in registers across stages. The K split of the dense
-// GEMMs: slice z = tgid.z takes split_chunks whole K chunks and, when there
-// are several slices, stores fp32 partials that marlin_reduce sums in order.
+// The rANS state and the value state (tcq's trellis) stay in registers
+// across stages. The K split of the dense GEMMs: slice z = tgid.z takes
+// split_chunks whole K chunks and, when there are several slices, stores fp32
+// partials that marlin_reduce sums in order.
 // A bad chunk makes its block's outputs of the slice NaN.
 #pragma once
 
@@ -86,6 +87,7 @@ template <typename T, typename V>
   for (uint c = c_begin; c < c_end; ++c) {
     const uint k0 = c * chunk_k, len = min(K, k0 + chunk_k) - k0;
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, active ? b * n_kchunks + c : 0u, lane);
+    V values;  // the lane's value state: carried across the chunk's stages, as dec
     for (uint t0 = 0; t0 < len; t0 += TK) {
       for (uint e = tid; e < TM * TK; e += kGemmThreads) {
         const uint row = e / TK, col = e % TK, m = m0 + row;
@@ -96,8 +98,8 @@ template <typename T, typename V>
           half r = 0.0h;
           if (t0 + u < len) {  // uniform: the chunk's last stage may be partial
             RansEntry e;
-            dec.next(table, e);
-            r = rans_raw(e);
+            const uint s = dec.next(table, e);
+            r = values.value(s, e);
           }
           bt[lane * BS + u] = r;
         }

@@ -1,8 +1,8 @@
 // Fused rANS decode + GEMV: y[M, N] = x[M, K] @ W^T (+ bias) for M <=
 // rans::kGemvMaxRows, W entropy-coded (metal/rans_decode.h). The dense weight is
 // never written anywhere: each decoded symbol's raw value (from the table
-// entry the decode step loads anyway) is multiplied into per-lane fp32
-// accumulators right away.
+// entry the decode step loads anyway, through the lane's value state V for
+// tcq's trellis) is multiplied into per-lane fp32 accumulators right away.
 //
 // Work split: one simdgroup per chunk (32 columns x chunk_k K rows), lane l =
 // column 32 b + l; at step t every lane needs x[m, k0 + t], one address for
@@ -55,6 +55,7 @@ template <typename T, typename V>
     const RansChunkPos pos = rans_chunk_pos(chunk, K, chunk_k);
     const uint n = pos.b * rans::kLanes + lane;
     RansChunk dec = RansChunk::start(words, word_offsets, states, n_words, chunk, lane);
+    V values;
     float acc[R], raw[R], xsum[R];
     for (uint m = 0; m < R; ++m) acc[m] = raw[m] = xsum[m] = 0.0f;
     // Groups of the chunk (chunks start on group boundaries): raw sums, then the group's params.
@@ -64,8 +65,8 @@ template <typename T, typename V>
       const uint t1 = min(pos.len, t0 + step);
       for (uint t = t0; t < t1; ++t, ++xk) {
         RansEntry e;
-        dec.next(table, e);
-        const float v = float(rans_raw(e));
+        const uint s = dec.next(table, e);
+        const float v = float(values.value(s, e));
         for (uint m = 0; m < R; ++m) {
           if (m >= M) break;
           const float xv = float(xk[ulong(m) * K]);

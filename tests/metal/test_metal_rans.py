@@ -6,7 +6,9 @@ GEMM) or the CPU op's error (decode, whose status output flags exactly the bad
 chunks), and no access outside the buffers (the emulator checks every device
 access). Race
 detection and the strict compile check are on (the emulator's defaults).
-Shapes are small: every decode step is two simdgroup rendezvous on the emulator."""
+Shapes are small: every decode step is two simdgroup rendezvous on the emulator.
+"tcq" (the grid's symbols through a per-lane trellis) is checked against its own
+float64 reference written here from the spec (tcq_levels)."""
 
 import dataclasses
 
@@ -21,6 +23,8 @@ from torch_marlin.testing.metal import metal_plan, run_metal_outputs, run_metal_
 from metal_helpers import DTYPES, FORMATS, GEMM_TOL, SEEDS, has_zeros, rel_err
 
 FORMATS_AND_GRID = (*FORMATS, "grid")
+GRID_KINDS = ("grid", "tcq")  # 256 symbols, one step per column
+KINDS = (*FORMATS, *GRID_KINDS)  # every kind with kernels of its own
 
 
 def skewed_symbols(alphabet, k, n, gen):
@@ -37,20 +41,47 @@ def skewed_symbols(alphabet, k, n, gen):
     return sym
 
 
+TCQ_NEXT = ((0, 2), (2, 0), (1, 3), (3, 1))  # the trellis: sigma' = TCQ_NEXT[sigma][k & 1]
+
+
+def tcq_levels(symbols, chunk_k, restart=True):
+    """The spec's tcq levels j [K, N] (int64) of symbols [K, N]: per column a trellis state,
+    0 at each chunk's first row (restart=False: never reset, as a decoder missing the reset)."""
+    k = symbols.to(torch.int64) - 128
+    j = torch.empty_like(k)
+    sigma = torch.zeros(k.shape[1], dtype=torch.int64)
+    next_state = torch.tensor(TCQ_NEXT)
+    for row in range(k.shape[0]):
+        if restart and row % chunk_k == 0:
+            sigma.zero_()
+        j[row] = 2 * k[row] - (sigma >> 1) * torch.sign(k[row])
+        sigma = next_state[sigma, k[row] & 1]
+    return j
+
+
+def tcq_wrong_weights(sym, scales, chunk_k):
+    """float64 weights of decoders a tcq test must fail: the grid's, a trellis never restarted."""
+    return [(sym - 128).double() * scales.double(), tcq_levels(sym, chunk_k, restart=False).double() * scales.double()]
+
+
 def make_coded(fmt, k, n, chunk_k, prob_bits, group_size, gen):
     """(stream, symbols, scales, zeros, float64 weight [K, N]) of a random coded weight."""
     torch.manual_seed(int(torch.randint(0, 2 ** 31, (1,), generator=gen)))  # Laplace sampling
-    alphabet = rans.alphabet_size(fmt)
-    sym = skewed_symbols(alphabet, k, n, gen)
-    if fmt == "grid":
+    grid_like = fmt in GRID_KINDS
+    sym = skewed_symbols(256 if grid_like else rans.alphabet_size(fmt), k, n, gen)
+    if grid_like:
         scales = (torch.rand(1, n, generator=gen) * 0.02 + 0.001).half()
         zeros = None
     else:
         groups = 1 if group_size == -1 else k // group_size
         scales = (torch.rand(groups, n, generator=gen) * 0.5 + 0.01).half()
         zeros = (torch.rand(groups, n, generator=gen) * 15).half() if has_zeros(fmt) else None
-    stream = rans.encode_codes(sym, fmt, chunk_k, prob_bits, group_size)
-    weight = dense_from_symbols(sym, scales, zeros, fmt, group_size, torch.float64)
+    if fmt == "tcq":  # the grid's stream; the weight from this file's reference
+        stream = rans.encode(sym, 256, chunk_k, prob_bits)
+        weight = tcq_levels(sym, chunk_k).double() * scales.double()
+    else:
+        stream = rans.encode_codes(sym, fmt, chunk_k, prob_bits, group_size)
+        weight = dense_from_symbols(sym, scales, zeros, fmt, group_size, torch.float64)
     return stream, sym, scales, zeros, weight
 
 
@@ -61,12 +92,17 @@ def gemm_args(x, stream, scales, zeros, bias, fmt, k, chunk_k, prob_bits, group_
 
 def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bias=True, x_shape=None, splits=None):
     gen = torch.Generator().manual_seed(seed_base)
-    stream, _, scales, zeros, weight = make_coded(fmt, k, n, chunk_k, prob_bits, group_size, gen)
+    stream, sym, scales, zeros, weight = make_coded(fmt, k, n, chunk_k, prob_bits, group_size, gen)
     x = torch.randn(*(x_shape or (m,)), k, generator=gen).to(dtype)
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     ref = x.double() @ weight + (b.double() if bias else 0.0)
     args = gemm_args(x, stream, scales, zeros, b, fmt, k, chunk_k, prob_bits, group_size)
-    cpu = torch.ops.marlin.rans_gemm(*args)
+    # tcq: against this file's reference only (the CPU op's tcq kernel is csrc/cpu's, tested with it);
+    # the case must tell tcq from the grid's kernel and from a trellis not restarted per chunk
+    cpu = torch.ops.marlin.rans_gemm(*args) if fmt != "tcq" else None
+    if fmt == "tcq":
+        for wrong in tcq_wrong_weights(sym, scales, chunk_k):
+            assert rel_err(x.double() @ wrong + (b.double() if bias else 0.0), ref) > 3 * GEMM_TOL[dtype]
     for seed in SEEDS:
         out, plan, stats = run_metal_with_stats("rans_gemm", *args, seed=seed)
         assert out.shape == ref.shape and out.dtype == dtype
@@ -78,7 +114,8 @@ def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bi
             assert st.threadgroup_memory == launch["threadgroup_memory"] <= 32768
         err = rel_err(out, ref)
         assert err <= GEMM_TOL[dtype], (fmt, dtype, m, n, k, chunk_k, group_size, seed, err)
-        assert rel_err(out, cpu) <= GEMM_TOL[dtype]  # the CPU op agrees
+        if cpu is not None:
+            assert rel_err(out, cpu) <= GEMM_TOL[dtype]  # the CPU op agrees
     return plan
 
 
@@ -136,6 +173,21 @@ def test_rans_gemm_k_split_and_batched_x():
     assert plan["splits"] == 1 and len(plan["launches"]) == 1
 
 
+@pytest.mark.parametrize("m, dtype", [(1, torch.float16), (4, torch.bfloat16), (8, torch.float32),  # GEMV
+                                      (40, torch.float16), (40, torch.bfloat16), (40, torch.float32)],  # GEMM
+                         ids=lambda v: str(v).split(".")[-1])
+def test_rans_gemm_tcq(m, dtype):
+    # K = 203: 4 chunks of 64 (each restarts the trellis; the GEMM carries it across its
+    # 16-row stages), the last one 11 rows (a partial stage); N = 70: a partial column block.
+    _check("tcq", dtype, m, 70, 203, 64, 203, seed_base=20 + m, x_shape=(2, m // 2) if m == 8 else None)
+
+
+def test_rans_gemm_tcq_k_split():
+    # 16 K chunks: the GEMM's K split in 2 slices of 8 whole chunks, each chunk restarting the trellis.
+    plan = _check("tcq", torch.bfloat16, 20, 50, 16 * 64, 64, 16 * 64, seed_base=21, splits=True)
+    assert plan["splits"] == 2 and plan["launches"][-1]["kernel"] == "marlin_reduce_bf16"
+
+
 def test_rans_gemm_empty_x():
     gen = torch.Generator().manual_seed(0)
     stream, _, scales, zeros, _ = make_coded("fp4", 64, 16, 32, 12, 32, gen)
@@ -144,12 +196,14 @@ def test_rans_gemm_empty_x():
     assert out.shape == (0, 16) and plan["launches"] == [] and stats == []
 
 
-def test_gemv_runs_on_fewer_simdgroups():
+@pytest.mark.parametrize("fmt", ("affine", "tcq"))  # tcq: the trellis restarts in each chunk of a simdgroup
+def test_gemv_runs_on_fewer_simdgroups(fmt):
     """A pipeline allowing fewer threads: the GEMV and the decode loop over their chunks."""
     gen = torch.Generator().manual_seed(6)
-    stream, sym, scales, zeros, weight = make_coded("affine", 128, 70, 32, 12, 32, gen)
+    group_size = 128 if fmt == "tcq" else 32
+    stream, sym, scales, zeros, weight = make_coded(fmt, 128, 70, 32, 12, group_size, gen)
     x = torch.randn(2, 128, generator=gen)
-    args = gemm_args(x, stream, scales, zeros, None, "affine", 128, 32, 12, 32)
+    args = gemm_args(x, stream, scales, zeros, None, fmt, 128, 32, 12, group_size)
     out, plan, stats = run_metal_with_stats("rans_gemm", *args, max_threads_per_threadgroup=64)
     assert plan["launches"][0]["min_threads_x"] == 32 and stats[0].threads_per_threadgroup == 64
     assert rel_err(out, x.double() @ weight) <= GEMM_TOL[torch.float32]
@@ -193,20 +247,23 @@ def _chunk_mask(chunks, k, n, chunk_k, kchunks):
     return mask
 
 
+@pytest.mark.parametrize("fmt", ("int4", "tcq"))
 @pytest.mark.parametrize("m", (1, 12))
-def test_corrupted_streams_give_nan_for_the_bad_chunk(m):
+def test_corrupted_streams_give_nan_for_the_bad_chunk(m, fmt):
     gen = torch.Generator().manual_seed(7)
-    stream, sym, scales, _, weight = make_coded("int4", K_BAD, N_BAD, CHUNK_BAD, 12, 32, gen)
+    group_size = K_BAD if fmt == "tcq" else 32
+    stream, sym, scales, _, weight = make_coded(fmt, K_BAD, N_BAD, CHUNK_BAD, 12, group_size, gen)
     kchunks = K_BAD // CHUNK_BAD
     x = torch.randn(m, K_BAD, generator=gen).half()
     good = x.double() @ weight
     for name, words, offsets, bad in _bad_chunk_cases(stream):
         mask = _chunk_mask(bad, K_BAD, N_BAD, CHUNK_BAD, kchunks)
         corrupt = dataclasses.replace(stream, words=words, word_offsets=offsets)
-        out = run_metal_with_stats("rans_gemm", *gemm_args(x, corrupt, scales, None, None, "int4", K_BAD, CHUNK_BAD,
-                                                            12, 32))[0]
-        with pytest.raises(ValueError, match="corrupted rans stream|word_offsets"):  # the CPU op raises instead
-            torch.ops.marlin.rans_gemm(*gemm_args(x, corrupt, scales, None, None, "int4", K_BAD, CHUNK_BAD, 12, 32))
+        args = gemm_args(x, corrupt, scales, None, None, fmt, K_BAD, CHUNK_BAD, 12, group_size)
+        out = run_metal_with_stats("rans_gemm", *args)[0]
+        if fmt != "tcq":  # the CPU op raises instead (its tcq kernel is csrc/cpu's, tested with it)
+            with pytest.raises(ValueError, match="corrupted rans stream|word_offsets"):
+                torch.ops.marlin.rans_gemm(*args)
         bad_columns = mask.any(0)
         assert torch.isnan(out[:, bad_columns]).all(), name
         assert not torch.isnan(out[:, ~bad_columns]).any(), name
@@ -270,17 +327,19 @@ def _meta(m, n, k, fmt, gs, chunk_k=1024, dtype=torch.float16):
     e = lambda *s, dt: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
     chunks = -(-n // 32) * -(-k // chunk_k)
     groups = 1 if gs in (-1, k) else k // gs
-    zeros = e(groups, n, dt=torch.float16) if fmt != "grid" and has_zeros(fmt) else None
+    grid_like = fmt in GRID_KINDS
+    zeros = e(groups, n, dt=torch.float16) if not grid_like and has_zeros(fmt) else None
     return (e(m, k, dt=dtype), e(1000, dt=torch.int16), e(chunks + 1, dt=torch.int32), e(chunks, 32, dt=torch.int32),
-            e(256 if fmt == "grid" else 16, dt=torch.int16), e(groups, n, dt=torch.float16), zeros, None, fmt, k,
+            e(256 if grid_like else 16, dt=torch.int16), e(groups, n, dt=torch.float16), zeros, None, fmt, k,
             chunk_k, 12, gs)
 
 
 @pytest.mark.parametrize("m, kernel", [(1, "gemv"), (8, "gemv"), (9, "gemm"), (4096, "gemm")])
 def test_plan_kernel_choice(m, kernel):
-    for fmt in FORMATS_AND_GRID:
+    for fmt in KINDS:
         for dtype in DTYPES:
-            plan = metal_plan("rans_gemm", *_meta(m, 4096, 4096, fmt, 4096 if fmt == "grid" else 128, dtype=dtype))
+            gs = 4096 if fmt in GRID_KINDS else 128
+            plan = metal_plan("rans_gemm", *_meta(m, 4096, 4096, fmt, gs, dtype=dtype))
             launch = plan["launches"][0]
             assert launch["kernel"] == f"rans_{kernel}_{fmt}_{plan['dtype']}" and launch["source"] == "rans"
             assert launch["threadgroup_memory"] <= 32768 and launch["threadgroup_memory"] % 16 == 0
@@ -310,10 +369,10 @@ def test_every_kernel_is_planned_and_exists():
 
     kernels = set(library("rans").kernels())
     seen = set()
-    for fmt in FORMATS_AND_GRID:
+    for fmt in KINDS:
         for dtype in DTYPES:
             for m, n, k in ((1, 64, 8192), (8, 4096, 4096), (9, 83, 200), (1000, 4096, 4096)):
-                gs = k if fmt == "grid" else (-1 if k == 200 else 128)
+                gs = k if fmt in GRID_KINDS else (-1 if k == 200 else 128)
                 for l in metal_plan("rans_gemm", *_meta(m, n, k, fmt, gs, chunk_k=1024 if k >= 1024 else 64, dtype=dtype))[
                         "launches"]:
                     threads = l["threadgroup"][0] * l["threadgroup"][1] * l["threadgroup"][2]
