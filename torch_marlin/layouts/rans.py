@@ -25,9 +25,9 @@ TCQ = "tcq"  # the trellis-coded grid (this layout only): rans.tcq_levels
 GRID_KINDS = rans.GRID_KINDS
 GRID_FORMAT_NUMBERS = {GRID: 64, TCQ: 65}  # their numbers in the state_dict descriptor
 WEIGHT_FORMATS = formats.WEIGHT_FORMATS + GRID_KINDS
-# Whether this build's rans_gemm has the "tcq" kind (the CPU and Metal kernels of
-# h-tcq-cpu / h-tcq-metal). Until then linear() decodes "tcq" through the reference
-# path: main's kernels have no branch for it and must not be called with it.
+# Whether this build's rans_gemm has the "tcq" kind on every device (the CPU kernels of
+# h-tcq-cpu; Metal has it). Until then linear() decodes "tcq" through the reference
+# path: the CPU kernels before them have no branch for it and must not be called with it.
 TCQ_IN_OPS = False
 
 
