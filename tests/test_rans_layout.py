@@ -381,6 +381,25 @@ def test_rate_aware_trellis_search_meets_the_budget(monkeypatch):
     assert not torch.equal(aware.quantized_weight().symbols(), plain.quantized_weight().symbols())
 
 
+def test_tcq_fills_a_small_budget():
+    """At 2 bits a 100 x 45 layer's table and states take most of the budget, and the size
+    hardly moves with the step once most codes are 0: the step search still fills it."""
+    torch.manual_seed(0)
+    module = tm.MarlinLinear.from_linear(nn.Linear(100, 45), "tcq", -1, bits=2.0)
+    assert 1.8 < _grid_bits(module, [""]) <= 2.0  # the table, states and steps alone take 1.55
+    assert module.quantization_error < 0.95
+
+
+@pytest.mark.parametrize("kind", ["tcq", "grid"])
+def test_an_all_zero_weight_codes_to_zeros(kind):
+    linear = nn.Linear(64, 40)
+    with torch.no_grad():
+        linear.weight.zero_()
+    module = tm.MarlinLinear.from_linear(linear, kind, -1, bits=4.0)
+    assert _grid_bits(module, [""]) <= 4.0
+    assert torch.equal(module.dequantize(), torch.zeros(40, 64)) and module.quantization_error == 0
+
+
 def test_trellis_search_is_the_best_path():
     """On short rows the Viterbi search finds the path of least cost among all code
     sequences near the weights (exhaustive: 5 codes around y / 2 per step)."""

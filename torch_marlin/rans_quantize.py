@@ -48,7 +48,7 @@ TCQ_LAMBDA = 0.0
 TCQ_PASSES = 2
 TCQ_STEP_RATIO = 0.5  # tcq step / the allocation's grid step (levels j are twice as dense)
 FILL_TOLERANCE = 0.003  # tcq: a layer at most this fraction below its share of the budget is done
-FILL_ATTEMPTS = 3  # ... or, once one attempt fitted, after this many attempts (the closest that fitted)
+FILL_ATTEMPTS = 3  # ... or after this many attempts from the first that fitted (the closest that fitted)
 WEIGHTING = "weight"
 # "layer": every layer's relative error ||W - Wq||^2 / ||W||^2 counts once; "weight":
 # it counts once per weight (the same relative step everywhere). Measured: docs/ENTROPY.md.
@@ -493,8 +493,8 @@ def fit_tcq_layer(p: _Plan, name: str) -> RansQuantizedWeight:
     the steps to the codes' levels by least squares; records the layer in the plan."""
     layer = p.layers[name]
     target = p.target_bits(name)
-    log_step = math.log2(layer.choice[p.lam] * TCQ_STEP_RATIO)
-    table, fitted, tried = None, None, []
+    log_step = math.log2(max(layer.choice[p.lam] * TCQ_STEP_RATIO, 2.0 ** -24))  # an all-zero weight's is 0
+    table, fitted, tried, fills = None, None, [], 0
     for attempt in range(40):
         steps = row_steps(layer.weight, 2.0 ** log_step, p.row_power, TCQ_MAX_LEVEL)
         codes = quantize_tcq(layer.weight / steps.float().unsqueeze(1), layer.chunk_k, p.prob_bits, table)
@@ -508,18 +508,24 @@ def fit_tcq_layer(p: _Plan, name: str) -> RansQuantizedWeight:
         tried.append((log_step, bits))
         if bits <= target and (fitted is None or coded.relative_error < fitted.relative_error):
             fitted = coded
-        if fitted is not None and (target - bits <= FILL_TOLERANCE * target or bits > target
-                                   or len(tried) > FILL_ATTEMPTS):
-            p.done(name, fitted)
-            return fitted
+        if fitted is not None:
+            fills += 1
+            if target - 8 * fitted.nbytes <= FILL_TOLERANCE * target or fills > FILL_ATTEMPTS:
+                p.done(name, fitted)
+                return fitted
         # Secant in log2(step) (start: the high-rate slope, one bit per weight per doubling),
-        # aiming inside the tolerance; 5% coarser per attempt after the third miss.
+        # aiming inside the tolerance, 5% coarser per attempt after the third miss; once steps
+        # that fit and steps that do not are known, inside that bracket (else its midpoint).
         slope = -layer.num_weights
         if len(tried) > 1 and tried[-1][0] != tried[-2][0]:
             measured = (tried[-1][1] - tried[-2][1]) / (tried[-1][0] - tried[-2][0])
             slope = min(max(measured, -2.0 * layer.num_weights), -0.5 * layer.num_weights)
         log_step += (target * (1 - FILL_TOLERANCE / 2) - bits) / slope
         log_step += math.log2(1.05) * (attempt >= 3 and bits > target)
+        too_fine = [x for x, b in tried if b > target]
+        fitting = [x for x, b in tried if b <= target]
+        if too_fine and fitting and not max(too_fine) < log_step < min(fitting):
+            log_step = (max(too_fine) + min(fitting)) / 2
     raise RuntimeError(f"{name}: could not fit the trellis-coded grid into {target / layer.num_weights:.3f} "
                        f"bits per weight")
 
