@@ -11,7 +11,8 @@
 // stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a 256-entry table
 // of the 8-lane prefix sums; elsewhere one lane after the other). Lane l of
 // column block b is output column 32 b + l, so x[k] multiplies a whole vector
-// of decoded weights as one broadcast.
+// of decoded weights as one broadcast. "tcq" symbols take their value through
+// each lane's trellis state, kept next to its rANS state (rans_value).
 
 #include "cpu/rans_kernel_args.h"
 
@@ -21,6 +22,7 @@ constexpr uint32_t kRansLow = 1u << 16;
 // The decode state of one chunk's 32 lanes.
 struct RansLanes {
   vu x[kRansVectors];
+  vu trellis[kRansVectors];  // tcq: each lane's trellis state 0..3 (unused, so optimized away, for other kinds)
   const uint16_t* ptr;  // next word of the chunk
   const uint16_t* end;  // its end: never read at or past it
   uint32_t bad;         // a lane wanted a word past the end
@@ -34,7 +36,10 @@ inline vu load_u(const uint32_t* p) {
 inline void store_u(uint32_t* p, vu v) { memcpy(p, &v, sizeof(v)); }
 
 inline void rans_start(const RansArgs& a, int64_t chunk, RansLanes& d) {
-  for (int v = 0; v < kRansVectors; ++v) d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
+  for (int v = 0; v < kRansVectors; ++v) {
+    d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
+    d.trellis[v] = vu{};  // every chunk starts at trellis state 0
+  }
   d.ptr = a.words + a.word_offsets[chunk];
   d.end = a.words + a.word_offsets[chunk + 1];
   d.bad = 0;
@@ -207,13 +212,22 @@ inline void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
 }
 
 // The value of symbols before the scale: a lossless format's code value
-// (FormatDecode, the 16-entry table of every build) or the grid's s - 128.
+// (FormatDecode, the 16-entry table of every build), the grid's s - 128, or
+// tcq's trellis level j of k = s - 128 by the lanes' states, which it advances:
+// j = 2k - (state >> 1) sign(k), then state = (state >> 1) | ((state ^ s) & 1) << 1.
 template <int Kind>
-inline vf rans_value(vu sym) {
-  if constexpr (Kind == kRansGrid)
+inline vf rans_value(vu sym, vu& trellis) {
+  if constexpr (Kind == kRansGrid) {
     return __builtin_convertvector((vi)sym - 128, vf);
-  else
+  } else if constexpr (Kind == kRansTcq) {
+    const vi k = (vi)sym - 128;
+    // -sign(k) as (k > 0) - (k < 0) of the all-ones compares, taken in states 2 and 3 only
+    const vi odd = ((k > 0) - (k < 0)) & (vi)(trellis > 1);
+    trellis = (trellis >> 1) | (((trellis ^ sym) & 1) << 1);
+    return __builtin_convertvector(k + k + odd, vf);
+  } else {
     return table_nibble<FormatDecode<Kind>>((vi)sym, 0);
+  }
 }
 
 // Scales (and zeros) of group g for `cols` columns from n0, zero-padded to `width`.
@@ -269,7 +283,8 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
           vu sym[kRansVectors];
           if (j < blocks) rans_step(d[j], table, sym);
-          for (int v = 0; v < kRansVectors; ++v) value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+          for (int v = 0; v < kRansVectors; ++v)
+            value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
         }
 #if MARLIN_KERNEL_BF16_DOT
         if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
@@ -277,7 +292,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
             vu sym[kRansVectors];
             if (j < blocks) rans_step(d[j], table, sym);
             for (int v = 0; v < kRansVectors; ++v) {
-              const vf second = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+              const vf second = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
               vf& first = value[j * kRansVectors + v];
               first = (vf)(((vu)first >> 16) | ((vu)second & 0xFFFF0000u));
             }
@@ -377,7 +392,8 @@ struct RansTileFill {
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
       vu sym[kRansVectors];
       if (j < blocks) rans_step(lanes[j], table, sym);
-      for (int v = 0; v < kRansVectors; ++v) values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+      for (int v = 0; v < kRansVectors; ++v)
+        values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], lanes[j].trellis[v]) : vf{};
     }
   }
 
@@ -460,7 +476,8 @@ inline uint32_t with_rans_kind(const RansArgs& a, bool dot, Body&& body) {
     });
   };
   if (a.kind == kRansGrid) return on_kind.template operator()<kRansGrid>();
-  return with_format(a.kind, on_kind);
+  if (a.kind == kRansTcq) return on_kind.template operator()<kRansTcq>();
+  return with_format(a.kind, on_kind);  // traps on any other number (the op's checks let none through)
 }
 
 uint32_t rans_gemv(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
