@@ -19,10 +19,17 @@
 constexpr int kRansVectors = kRansBlockCols / kLanes;
 constexpr uint32_t kRansLow = 1u << 16;
 
+// tcq: the trellis state sigma = 2 high + low of each lane (docs/FORMAT.md),
+// as two vectors of which only bit 0 counts: the next state is
+// (high, low) = (low ^ s, high), so the step is one xor and a renaming.
+struct TcqTrellis {
+  vu high, low;
+};
+
 // The decode state of one chunk's 32 lanes.
 struct RansLanes {
   vu x[kRansVectors];
-  vu trellis[kRansVectors];  // tcq: each lane's trellis state 0..3 (unused, so optimized away, for other kinds)
+  TcqTrellis trellis[kRansVectors];  // tcq only (unused, so optimized away, for other kinds)
   const uint16_t* ptr;  // next word of the chunk
   const uint16_t* end;  // its end: never read at or past it
   uint32_t bad;         // a lane wanted a word past the end
@@ -38,7 +45,7 @@ inline void store_u(uint32_t* p, vu v) { memcpy(p, &v, sizeof(v)); }
 inline void rans_start(const RansArgs& a, int64_t chunk, RansLanes& d) {
   for (int v = 0; v < kRansVectors; ++v) {
     d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
-    d.trellis[v] = vu{};  // every chunk starts at trellis state 0
+    d.trellis[v] = TcqTrellis{};  // every chunk starts at trellis state 0
   }
   d.ptr = a.words + a.word_offsets[chunk];
   d.end = a.words + a.word_offsets[chunk + 1];
@@ -211,20 +218,31 @@ inline void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
   }
 }
 
+// tcq's level j = 2k - high sign(k) (high: bit 0 of the state's high vector).
+inline vi tcq_level(vi k, vu high) {
+#if MARLIN_KERNEL_AVX512  // the odd states' -1 / +1 as masked subtract / add
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512(), two_k = (__m512i)(k + k);
+  const __mmask16 odd = _mm512_test_epi32_mask((__m512i)high, one);
+  const __m512i j = _mm512_mask_sub_epi32(two_k, _mm512_mask_cmpgt_epi32_mask(odd, (__m512i)k, zero), two_k, one);
+  return (vi)_mm512_mask_add_epi32(j, _mm512_mask_cmplt_epi32_mask(odd, (__m512i)k, zero), j, one);
+#elif MARLIN_KERNEL_AVX2  // vpsignd: (high & 1) sign(k)
+  return k + k - (vi)_mm256_sign_epi32((__m256i)(high & 1), (__m256i)k);
+#else  // -sign(k) as (k > 0) - (k < 0) of the all-ones compares, in the odd states only
+  return k + k + (((k > 0) - (k < 0)) & (vi)((high & 1) != 0));
+#endif
+}
+
 // The value of symbols before the scale: a lossless format's code value
 // (FormatDecode, the 16-entry table of every build), the grid's s - 128, or
-// tcq's trellis level j of k = s - 128 by the lanes' states, which it advances:
-// j = 2k - (state >> 1) sign(k), then state = (state >> 1) | ((state ^ s) & 1) << 1.
+// tcq's trellis level of k = s - 128 by the lanes' states, which it advances.
 template <int Kind>
-inline vf rans_value(vu sym, vu& trellis) {
+inline vf rans_value(vu sym, TcqTrellis& trellis) {
   if constexpr (Kind == kRansGrid) {
     return __builtin_convertvector((vi)sym - 128, vf);
   } else if constexpr (Kind == kRansTcq) {
-    const vi k = (vi)sym - 128;
-    // -sign(k) as (k > 0) - (k < 0) of the all-ones compares, taken in states 2 and 3 only
-    const vi odd = ((k > 0) - (k < 0)) & (vi)(trellis > 1);
-    trellis = (trellis >> 1) | (((trellis ^ sym) & 1) << 1);
-    return __builtin_convertvector(k + k + odd, vf);
+    const vi j = tcq_level((vi)sym - 128, trellis.high);
+    trellis = TcqTrellis{trellis.low ^ sym, trellis.high};  // k & 1 == s & 1: 128 is even
+    return __builtin_convertvector(j, vf);
   } else {
     return table_nibble<FormatDecode<Kind>>((vi)sym, 0);
   }
