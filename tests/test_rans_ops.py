@@ -265,9 +265,10 @@ def test_gemv_split_over_k_is_deterministic(weight_format, threads):
 def test_tcq_gemm_of_random_symbols_matches_float64_reference(dtype):
     """Any symbols are a tcq stream: uniform ones over all 256 reach the extreme levels -256 and 254.
     Every M class (GEMV 1-8, tiles above), N not a multiple of 32, several K chunks (the trellis
-    restarts in each) and a short last one; odd K (no bf16 pairs) too."""
+    restarts in each) and a short last one (12 rows; 1 row), tiles of 256 K rows that end inside a
+    chunk (the M > 8 fill carries the states over), odd K (no bf16 pairs) too."""
     generator = torch.Generator().manual_seed(5)
-    for k, n, chunk_k in [(300, 45, 64), (257, 70, 96)]:
+    for k, n, chunk_k in [(300, 45, 96), (257, 70, 64), (600, 40, 512)]:
         codes = torch.randint(0, 256, (k, n), generator=generator)
         scales = (torch.rand(1, n, generator=generator) * 0.002 + 0.0001).half()
         t = encode(codes.numpy(), chunk_k, 12, 256)

@@ -302,9 +302,10 @@ int main() {
     cases.push_back({kRansGrid, 12, 2, 256, 70, 64, -1, used, true});
     cases.push_back({kRansGrid, 10, 12, 256, 97, 128, -1, used, true});
   }
-  // tcq: several K chunks (the trellis restarts in each), a short last one, every M class.
+  // tcq: several K chunks (the trellis restarts in each), a short last one, every M class;
+  // chunk_k 96: the tile GEMM's tiles of 256 rows end inside a chunk (its states carry over).
   for (int64_t m : {1, 4, 8, 9, 32, 64, 65})
-    cases.push_back({kRansTcq, 12, m, 300, 45, 64, -1});
+    cases.push_back({kRansTcq, 12, m, 300, 45, 96, -1});
   cases.push_back({kRansTcq, 12, 3, 256, 70, 64, -1, kRansRegisterSymbols, true});
   cases.push_back({kRansTcq, 12, 12, 256, 97, 128, -1, 24, true});
   cases.push_back({0, 12, 1, 256, 70, 64, 64, 15, true});
