@@ -6,7 +6,9 @@ interleaved rounds: at M = 1 the fused decode + GEMV in decoded weights per
 second per core next to the dense GEMV, and at M = 32 / 128 the time against
 the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
 (quantized to the nearest fp4 value per group of 128); grid rows code integer
-codes of a Gaussian on a uniform grid whose step gives about 4 bits of entropy.
+codes of a Gaussian on a uniform grid whose step gives about 4 bits of entropy;
+tcq rows decode the grid rows' stream as weight_format "tcq" (the same words and
+symbols through the trellis), so that tcq / grid is the trellis' cost alone.
 
     python benchmarks/bench_rans.py [--builds avx512,avx2,generic] [--shapes 4096x4096]
 
@@ -120,7 +122,8 @@ def run_build(args):
         gcodes, gscales = grid_codes(k, n)
         grid = encode(gcodes.numpy(), args.chunk_k, args.prob_bits, 256)
         variants = [("fp4 lossless", lossless, dense_scales, "fp4", 128, entropy(dense_codes, 16)),
-                    ("grid", grid, gscales, "grid", k, entropy(gcodes, 256))]
+                    ("grid", grid, gscales, "grid", k, entropy(gcodes, 256)),
+                    ("tcq", grid, gscales, "tcq", k, entropy(gcodes, 256))]
         for m in args.rows:
             x = torch.randn(m, k).to(getattr(torch, args.dtype))
             fns = [lambda x=x: torch.ops.marlin.gemm(x, packed, dense_scales, None, None, "fp4", 128)]

@@ -110,11 +110,34 @@ def random_groups(k, n, weight_format, group_size):
     return scales, zeros
 
 
-def dequantize_codes(codes, scales, zeros, weight_format, group_size):
-    """float64 B [K, N] per element (tests/reference.py), or the grid's (s - 128) * step."""
+# tcq's trellis (docs/FORMAT.md): from state 0 at each chunk's first row, j = 2k - (sigma >> 1) sign(k),
+# k = s - 128, then sigma = NEXT[sigma][k & 1].
+NEXT = [[0, 2], [2, 0], [1, 3], [3, 1]]
+
+
+def tcq_levels(symbols, chunk_k):
+    """Symbols [K, N] ints 0..255 -> trellis levels j [K, N], one column and one row at a time."""
+    k, n = symbols.shape
+    j = [[0] * n for _ in range(k)]
+    for col in range(n):
+        sigma = 0
+        for row in range(k):
+            if row % chunk_k == 0:
+                sigma = 0
+            q = int(symbols[row, col]) - 128
+            j[row][col] = 2 * q - (sigma >> 1) * ((q > 0) - (q < 0))
+            sigma = NEXT[sigma][q & 1]
+    return torch.tensor(j, dtype=torch.int64)
+
+
+def dequantize_codes(codes, scales, zeros, weight_format, group_size, chunk_k=None):
+    """float64 B [K, N] per element (tests/reference.py), the grid's (s - 128) * step,
+    or tcq's trellis level j * step."""
     k, n = codes.shape
     if weight_format == "grid":
         return (codes.double() - 128) * scales.double()
+    if weight_format == "tcq":
+        return tcq_levels(codes, chunk_k).double() * scales.double()
     rows = k if group_size == -1 else group_size
     c, s = codes.tolist(), scales.double().tolist()
     z = None if zeros is None else zeros.double().tolist()
@@ -191,21 +214,22 @@ def test_lossless_gemm_equals_the_dense_op(weight_format, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("weight_format", [*formats.WEIGHT_FORMATS, "grid"])
+@pytest.mark.parametrize("weight_format", [*formats.WEIGHT_FORMATS, "grid", "tcq"])
 def test_gemm_matches_float64_reference(weight_format, dtype):
-    symbols = 256 if weight_format == "grid" else 16
+    grid = weight_format in ("grid", "tcq")
+    symbols = 256 if grid else 16
     for m, k, n, group_size, chunk_k, prob_bits in [(1, 100, 45, -1, 64, 12), (3, 96, 70, 32, 32, 14),
                                                      (32, 200, 33, -1, 96, 12), (128, 160, 64, 32, 64, 15),
                                                      (2, 100, 40, 32, 64, 12), (17, 100, 40, 64, 64, 13)]:
-        if weight_format == "grid":
+        if grid:
             group_size = k
         codes = skewed_codes(k, n, symbols)
-        if weight_format == "grid":
+        if grid:
             scales, zeros = (torch.rand(1, n) * 0.002 + 0.0001).half(), None
         else:
             scales, zeros = random_groups(k, n, weight_format, group_size)
         t = encode(codes.numpy(), chunk_k, prob_bits, symbols)
-        b64 = dequantize_codes(codes, scales, zeros, weight_format, group_size)
+        b64 = dequantize_codes(codes, scales, zeros, weight_format, group_size, chunk_k)
         x = torch.randn(2, m, k).to(dtype)  # batch dimensions: [..., K]
         bias = torch.randn(n).to(dtype) if m % 2 else None
         y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, bias, weight_format, k, chunk_k, prob_bits, group_size)
@@ -213,26 +237,63 @@ def test_gemm_matches_float64_reference(weight_format, dtype):
         assert_close_to_reference(y.view(-1, n), x.view(-1, k), b64, bias)
 
 
-@pytest.mark.parametrize("threads", [1, 3, 8])
-@pytest.mark.parametrize("weight_format", ["grid", "uint4"])
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("weight_format", ["grid", "tcq", "uint4"])
 def test_gemv_split_over_k_is_deterministic(weight_format, threads):
-    """Few column blocks: the grid's GEMV splits K over threads and adds the parts in order."""
+    """Few column blocks: the grid's (and tcq's) GEMV splits K over threads and adds the parts
+    in order; tcq's trellis restarts at each K chunk, so the parts decode alone."""
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         k, n, chunk_k = 1024, 40, 128
-        symbols, group_size = (256, k) if weight_format == "grid" else (16, 128)
+        grid = weight_format in ("grid", "tcq")
+        symbols, group_size = (256, k) if grid else (16, 128)
         codes = skewed_codes(k, n, symbols)
-        scales, zeros = ((torch.rand(1, n) * 0.002).half(), None) if weight_format == "grid" else \
+        scales, zeros = ((torch.rand(1, n) * 0.002).half(), None) if grid else \
             random_groups(k, n, weight_format, group_size)
         t = encode(codes.numpy(), chunk_k, 12, symbols)
         x = torch.randn(2, k)
         y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, None, weight_format, k, chunk_k, 12, group_size)
         assert torch.equal(y, torch.ops.marlin.rans_gemm(x, *t, scales, zeros, None, weight_format, k, chunk_k, 12,
                                                          group_size))
-        assert_close_to_reference(y, x, dequantize_codes(codes, scales, zeros, weight_format, group_size))
+        assert_close_to_reference(y, x, dequantize_codes(codes, scales, zeros, weight_format, group_size, chunk_k))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tcq_gemm_of_random_symbols_matches_float64_reference(dtype):
+    """Any symbols are a tcq stream: uniform ones over all 256 reach the extreme levels -256 and 254.
+    Every M class (GEMV 1-8, tiles above), N not a multiple of 32, several K chunks (the trellis
+    restarts in each) and a short last one (12 rows; 1 row), tiles of 256 K rows that end inside a
+    chunk (the M > 8 fill carries the states over), odd K (no bf16 pairs) too."""
+    generator = torch.Generator().manual_seed(5)
+    for k, n, chunk_k in [(300, 45, 96), (257, 70, 64), (600, 40, 512)]:
+        codes = torch.randint(0, 256, (k, n), generator=generator)
+        scales = (torch.rand(1, n, generator=generator) * 0.002 + 0.0001).half()
+        t = encode(codes.numpy(), chunk_k, 12, 256)
+        b64 = dequantize_codes(codes, scales, None, "tcq", k, chunk_k)
+        assert b64.abs().max() > 200 * scales.double().min()  # the wide levels are exercised
+        for m in [1, 4, 8, 9, 32, 64, 130]:
+            x = torch.randn(m, k, generator=generator).to(dtype)
+            bias = torch.randn(n, generator=generator).to(dtype) if m % 2 else None
+            y = torch.ops.marlin.rans_gemm(x, *t, scales, None, bias, "tcq", k, chunk_k, 12, -1)
+            assert_close_to_reference(y, x, b64, bias)
+
+
+def test_tcq_is_not_the_grid():
+    """The same stream as "grid" and as "tcq": the trellis doubles the even states' levels and
+    shifts the odd states' by one toward zero, so the results differ (a kernel that ignored
+    the kind would pass the reference tests of neither)."""
+    k, n, chunk_k = 128, 40, 64
+    codes = skewed_codes(k, n, 256)
+    t = encode(codes.numpy(), chunk_k, 12, 256)
+    scales = torch.full((1, n), 0.01).half()
+    x = torch.randn(3, k)
+    grid = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12, -1)
+    tcq = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "tcq", k, chunk_k, 12, -1)
+    assert_close_to_reference(tcq, x, dequantize_codes(codes, scales, None, "tcq", k, chunk_k))
+    assert (tcq - grid).abs().max() > 0.1
 
 
 def test_gemm_empty_batch():
@@ -274,6 +335,10 @@ def flipped(words, index, bit):
 CORRUPT = 'corrupted rans stream: chunk'
 
 
+def tcq_case(k=200, n=70, chunk_k=64, prob_bits=12):
+    return dict(grid_case(k, n, chunk_k, prob_bits), weight_format="tcq")
+
+
 def lossless_case(k=200, n=70, chunk_k=64, prob_bits=12):
     """fp4 codes of 16 symbols: the AVX-512 builds look their slots up in registers, not in the slot table."""
     generator = torch.Generator().manual_seed(23)
@@ -283,7 +348,7 @@ def lossless_case(k=200, n=70, chunk_k=64, prob_bits=12):
                 weight_format="fp4", group_size=-1)
 
 
-@pytest.mark.parametrize("case", [grid_case, lossless_case])
+@pytest.mark.parametrize("case", [grid_case, tcq_case, lossless_case])
 @pytest.mark.parametrize("rows", [1, 3, 32])
 def test_corrupted_streams_are_clear_errors(rows, case):
     a = case()
@@ -339,7 +404,7 @@ def _bad_args():
         (dict(chunk_k=256), r"chunk_k must be a multiple of 32"),
         (dict(prob_bits=16), r"prob_bits must be in \[10, 15\], got 16"),
         (dict(prob_bits=9), r"prob_bits must be in \[10, 15\], got 9"),
-        (dict(weight_format="fp8"), r"weight_format must be 'grid' or a value format \('fp4', .*\), got 'fp8'"),
+        (dict(weight_format="fp8"), r"weight_format must be 'grid', 'tcq' or a value format \('fp4', .*\), got 'fp8'"),
         (dict(group_size=64), "group_size must be K = 200 \\(or -1\\) for weight_format='grid'"),
         (dict(zeros=torch.ones(1, 70).half()), "zeros must be None for weight_format='grid'"),
         (dict(scales=torch.ones(2, 70).half()), r"scales must have shape \[K/group_size, N\] = \[1, 70\]"),
@@ -375,7 +440,8 @@ def test_lossless_argument_rules():
 
 REFERENCE_TESTS = ["test_encoder_and_decoder_of_the_spec_agree", "test_decode_op_gives_the_codes",
                    "test_lossless_gemm_equals_the_dense_op", "test_gemm_matches_float64_reference",
-                   "test_gemv_split_over_k_is_deterministic", "test_corrupted_streams_are_clear_errors",
+                   "test_gemv_split_over_k_is_deterministic", "test_tcq_gemm_of_random_symbols_matches_float64_reference",
+                   "test_tcq_is_not_the_grid", "test_corrupted_streams_are_clear_errors",
                    "test_swapped_freqs_are_a_clear_error", "test_decode_single_symbol_stream_has_no_words"]
 
 

@@ -18,6 +18,9 @@ constexpr int kRansTcq = 101;
 static_assert(!has_zeros(WeightFormat(kRansGrid)) && !zeros_are_bias(WeightFormat(kRansGrid)) &&
                   values_exact_in_bf16(WeightFormat(kRansGrid)),
               "the grid has no zeros and its values s - 128 are exact in bf16");
+static_assert(!has_zeros(WeightFormat(kRansTcq)) && !zeros_are_bias(WeightFormat(kRansTcq)) &&
+                  values_exact_in_bf16(WeightFormat(kRansTcq)),
+              "tcq has no zeros and its levels j in [-256, 254] are exact in bf16");
 
 // The per-call slot table (rans_ops.cpp builds it from freqs): for every slot
 // of [0, 2^prob_bits), its symbol s, freq[s] and slot - cum[s]. Up to
@@ -108,7 +111,7 @@ struct RansArgs {
   const uint32_t* table;        // the slot table
   RansRegisterTable registers;  // its symbols, if few
   int prob_bits;
-  int kind;                     // a WeightFormat (lossless) or kRansGrid
+  int kind;                     // a WeightFormat (lossless), kRansGrid or kRansTcq
   int64_t k, n, chunk_k, kchunks, blocks;
   // x (fp32; or x_bf16 for gemm_tile in builds with bf16_x), xsum, scales, zeros,
   // out, m, groups, group_rows as for the dense kernels (packed unused).

@@ -11,16 +11,25 @@
 // stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a 256-entry table
 // of the 8-lane prefix sums; elsewhere one lane after the other). Lane l of
 // column block b is output column 32 b + l, so x[k] multiplies a whole vector
-// of decoded weights as one broadcast.
+// of decoded weights as one broadcast. "tcq" symbols take their value through
+// each lane's trellis state, kept next to its rANS state (rans_value).
 
 #include "cpu/rans_kernel_args.h"
 
 constexpr int kRansVectors = kRansBlockCols / kLanes;
 constexpr uint32_t kRansLow = 1u << 16;
 
+// tcq: the trellis state sigma = 2 high + low of each lane (docs/FORMAT.md),
+// as two vectors of which only bit 0 counts: the next state is
+// (high, low) = (low ^ s, high), so the step is one xor and a renaming.
+struct TcqTrellis {
+  vu high, low;
+};
+
 // The decode state of one chunk's 32 lanes.
 struct RansLanes {
   vu x[kRansVectors];
+  TcqTrellis trellis[kRansVectors];  // tcq only (unused, so optimized away, for other kinds)
   const uint16_t* ptr;  // next word of the chunk
   const uint16_t* end;  // its end: never read at or past it
   uint32_t bad;         // a lane wanted a word past the end
@@ -34,7 +43,10 @@ inline vu load_u(const uint32_t* p) {
 inline void store_u(uint32_t* p, vu v) { memcpy(p, &v, sizeof(v)); }
 
 inline void rans_start(const RansArgs& a, int64_t chunk, RansLanes& d) {
-  for (int v = 0; v < kRansVectors; ++v) d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
+  for (int v = 0; v < kRansVectors; ++v) {
+    d.x[v] = load_u(a.states + chunk * kRansBlockCols + v * kLanes);
+    d.trellis[v] = TcqTrellis{};  // every chunk starts at trellis state 0
+  }
   d.ptr = a.words + a.word_offsets[chunk];
   d.end = a.words + a.word_offsets[chunk + 1];
   d.bad = 0;
@@ -206,14 +218,34 @@ inline void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
   }
 }
 
+// tcq's level j = 2k - high sign(k) (high: bit 0 of the state's high vector).
+inline vi tcq_level(vi k, vu high) {
+#if MARLIN_KERNEL_AVX512  // the odd states' -1 / +1 as masked subtract / add
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512(), two_k = (__m512i)(k + k);
+  const __mmask16 odd = _mm512_test_epi32_mask((__m512i)high, one);
+  const __m512i j = _mm512_mask_sub_epi32(two_k, _mm512_mask_cmpgt_epi32_mask(odd, (__m512i)k, zero), two_k, one);
+  return (vi)_mm512_mask_add_epi32(j, _mm512_mask_cmplt_epi32_mask(odd, (__m512i)k, zero), j, one);
+#elif MARLIN_KERNEL_AVX2  // vpsignd: (high & 1) sign(k)
+  return k + k - (vi)_mm256_sign_epi32((__m256i)(high & 1), (__m256i)k);
+#else  // -sign(k) as (k > 0) - (k < 0) of the all-ones compares, in the odd states only
+  return k + k + (((k > 0) - (k < 0)) & (vi)((high & 1) != 0));
+#endif
+}
+
 // The value of symbols before the scale: a lossless format's code value
-// (FormatDecode, the 16-entry table of every build) or the grid's s - 128.
+// (FormatDecode, the 16-entry table of every build), the grid's s - 128, or
+// tcq's trellis level of k = s - 128 by the lanes' states, which it advances.
 template <int Kind>
-inline vf rans_value(vu sym) {
-  if constexpr (Kind == kRansGrid)
+inline vf rans_value(vu sym, TcqTrellis& trellis) {
+  if constexpr (Kind == kRansGrid) {
     return __builtin_convertvector((vi)sym - 128, vf);
-  else
+  } else if constexpr (Kind == kRansTcq) {
+    const vi j = tcq_level((vi)sym - 128, trellis.high);
+    trellis = TcqTrellis{trellis.low ^ sym, trellis.high};  // k & 1 == s & 1: 128 is even
+    return __builtin_convertvector(j, vf);
+  } else {
     return table_nibble<FormatDecode<Kind>>((vi)sym, 0);
+  }
 }
 
 // Scales (and zeros) of group g for `cols` columns from n0, zero-padded to `width`.
@@ -269,7 +301,8 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
           vu sym[kRansVectors];
           if (j < blocks) rans_step(d[j], table, sym);
-          for (int v = 0; v < kRansVectors; ++v) value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+          for (int v = 0; v < kRansVectors; ++v)
+            value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
         }
 #if MARLIN_KERNEL_BF16_DOT
         if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
@@ -277,7 +310,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
             vu sym[kRansVectors];
             if (j < blocks) rans_step(d[j], table, sym);
             for (int v = 0; v < kRansVectors; ++v) {
-              const vf second = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+              const vf second = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
               vf& first = value[j * kRansVectors + v];
               first = (vf)(((vu)first >> 16) | ((vu)second & 0xFFFF0000u));
             }
@@ -377,7 +410,8 @@ struct RansTileFill {
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
       vu sym[kRansVectors];
       if (j < blocks) rans_step(lanes[j], table, sym);
-      for (int v = 0; v < kRansVectors; ++v) values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v]) : vf{};
+      for (int v = 0; v < kRansVectors; ++v)
+        values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], lanes[j].trellis[v]) : vf{};
     }
   }
 
@@ -460,7 +494,8 @@ inline uint32_t with_rans_kind(const RansArgs& a, bool dot, Body&& body) {
     });
   };
   if (a.kind == kRansGrid) return on_kind.template operator()<kRansGrid>();
-  return with_format(a.kind, on_kind);
+  if (a.kind == kRansTcq) return on_kind.template operator()<kRansTcq>();
+  return with_format(a.kind, on_kind);  // traps on any other number (the op's checks let none through)
 }
 
 uint32_t rans_gemv(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,

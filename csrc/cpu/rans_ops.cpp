@@ -18,6 +18,7 @@
 #include "cpu/rans_kernel_args.h"
 
 static_assert(int(marlin::kRansGridFormat) == marlin::cpu::kRansGrid, "one number for the grid");
+static_assert(int(marlin::kRansTcqFormat) == marlin::cpu::kRansTcq, "one number for tcq");
 
 namespace marlin {
 namespace cpu {
@@ -80,10 +81,11 @@ at::Tensor rans_decode_cpu(const at::Tensor& words, const at::Tensor& word_offse
 }
 
 // The fused GEMV for m <= kGemvMaxRows rows into out [m, N]: work items are
-// kRansGemvItemBlocks column blocks. For the grid, when there are fewer items
-// than threads, also ranges of K chunks, whose partial sums are added in order
-// (deterministic for a thread count). Lossless formats never split K: their
-// sums keep the dense op's order, so the results equal its results.
+// kRansGemvItemBlocks column blocks. For the grid and tcq (r.grid), when there
+// are fewer items than threads, also ranges of K chunks, whose partial sums are
+// added in order (deterministic for a thread count; tcq's trellis starts at
+// state 0 in every chunk, so a range of chunks decodes alone). Lossless formats
+// never split K: their sums keep the dense op's order, so the results equal its results.
 uint32_t rans_gemv_all(const RansKernels& kern, const RansArgs& a, const RansGemmShape& r, int64_t m, float* out) {
   const RansShape& s = r.streams;
   const int64_t threads = at::get_num_threads();
@@ -122,11 +124,11 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
   check_rans_contents(words, word_offsets, states, freqs, s);
   const std::vector<uint32_t> table = slot_table(freqs, s);
   RansArgs a = make_rans_args(words, word_offsets, states, freqs, table, s);
-  a.kind = int(r.groups.format);  // kRansGrid for the grid
+  a.kind = int(r.groups.format);  // kRansGrid / kRansTcq for the grid / tcq
 
   const RansKernels& kern = rans_kernels();
   // As the dense op: builds with bf16 dot products take bf16 x as it is, for
-  // values exact in bf16 (the grid's s - 128 are); pairs of K rows need an even K.
+  // values exact in bf16 (the grid's s - 128 and tcq's levels are); pairs of K rows need an even K.
   const bool bf16_x =
       kernels().bf16_x && x.scalar_type() == at::kBFloat16 && values_exact_in_bf16(r.groups.format) && K % 2 == 0;
   auto out_sizes = x.sizes().vec();

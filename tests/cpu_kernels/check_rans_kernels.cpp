@@ -58,9 +58,22 @@ float bf16_value(uint16_t b) {
   return f;
 }
 
-// A weight from its symbol: the value formats' reference (reference.h), or the grid's (s - 128) * step.
-double weight_of(int kind, int s, double scale, double zero) {
-  return kind == kRansGrid ? (s - 128) * scale : weight_value(kind, s, scale, zero);
+// The value before the scale of every symbol of codes [k, n]: the grid's s - 128, or
+// tcq's trellis level (docs/FORMAT.md), each chunk's lanes from state 0:
+// j = 2k - (state >> 1) sign(k), k = s - 128, then state = NEXT[state][k & 1].
+std::vector<int> grid_levels(int kind, const std::vector<int>& codes, int64_t k, int64_t n, int64_t chunk_k) {
+  static const int next[4][2] = {{0, 2}, {2, 0}, {1, 3}, {3, 1}};
+  std::vector<int> level(codes.size());
+  std::vector<int> state(n, 0);
+  for (int64_t r = 0; r < k; ++r) {
+    if (r % chunk_k == 0) state.assign(n, 0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int q = codes[r * n + j] - 128, sign = (q > 0) - (q < 0);
+      level[r * n + j] = kind == kRansGrid ? q : 2 * q - (state[j] >> 1) * sign;
+      state[j] = next[state[j]][q & 1];
+    }
+  }
+  return level;
 }
 
 struct Streams {
@@ -128,7 +141,8 @@ void fail(const std::string& what) {
 
 // One case in one build: decode, gemv (m <= 8) or gemm_tile, and the corruption reports.
 void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, const Case& cs) {
-  const int symbols = cs.kind == kRansGrid ? 256 : 16;
+  const bool grid = cs.kind == kRansGrid || cs.kind == kRansTcq;  // 256 symbols, one step per column
+  const int symbols = grid ? 256 : 16;
   const int64_t k = cs.k, n = cs.n, m = cs.m;
   const int64_t rows = cs.group_size == -1 ? k : cs.group_size, groups = k / rows;
   const bool zeros = marlin::has_zeros(marlin::WeightFormat(cs.kind));
@@ -142,6 +156,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   std::vector<uint16_t> scales(groups * n), zero(groups * n);
   for (auto& s : scales) s = half_bits(0.001 + 0.02 * uniform());
   for (auto& z : zero) z = half_bits(0.5 + 14 * uniform());
+  const std::vector<int> level = grid ? grid_levels(cs.kind, codes, k, n, cs.chunk_k) : std::vector<int>();
   Streams st = encode(codes, k, n, cs.chunk_k, cs.prob_bits, symbols);
   std::vector<uint32_t> table(rans_slot_table_size(cs.prob_bits));
   build_rans_slot_table(st.freqs.data(), symbols, cs.prob_bits, table.data());
@@ -234,7 +249,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
       for (int64_t r = 0; r < k; ++r) {
         const int64_t g = r / rows;
         const double s = half_value(scales[g * n + j]), z = half_value(zero[g * n + j]);
-        const double w = weight_of(cs.kind, codes[r * n + j], s, z);
+        const double w = grid ? level[r * n + j] * s : weight_value(cs.kind, codes[r * n + j], s, z);
         ref += double(x[i * k + r]) * w;
         magnitude += fabs(double(x[i * k + r]) * w);
       }
@@ -267,9 +282,10 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
 
 int main() {
   std::vector<Case> cases;
-  for (int kind = 0; kind <= marlin::kNumWeightFormats; ++kind) {
-    if (kind == marlin::kNumWeightFormats) kind = kRansGrid;
-    const bool grid = kind == kRansGrid;
+  std::vector<int> kinds = {kRansGrid, kRansTcq};
+  for (int f = 0; f < marlin::kNumWeightFormats; ++f) kinds.push_back(f);
+  for (int kind : kinds) {
+    const bool grid = kind == kRansGrid || kind == kRansTcq;
     cases.push_back({kind, 12, 1, 200, 70, 64, grid ? -1 : -1});
     cases.push_back({kind, 12, 2, 192, 70, 64, grid ? -1 : 32});
     cases.push_back({kind, 14, 3, 256, 33, 96, grid ? -1 : 32});
@@ -286,6 +302,12 @@ int main() {
     cases.push_back({kRansGrid, 12, 2, 256, 70, 64, -1, used, true});
     cases.push_back({kRansGrid, 10, 12, 256, 97, 128, -1, used, true});
   }
+  // tcq: several K chunks (the trellis restarts in each), a short last one, every M class;
+  // chunk_k 96: the tile GEMM's tiles of 256 rows end inside a chunk (its states carry over).
+  for (int64_t m : {1, 4, 8, 9, 32, 64, 65})
+    cases.push_back({kRansTcq, 12, m, 300, 45, 96, -1});
+  cases.push_back({kRansTcq, 12, 3, 256, 70, 64, -1, kRansRegisterSymbols, true});
+  cases.push_back({kRansTcq, 12, 12, 256, 97, 128, -1, 24, true});
   cases.push_back({0, 12, 1, 256, 70, 64, 64, 15, true});
   cases.push_back({0, 12, 16, 256, 70, 96, 64, 15, true});
   for (const std::string& name : kernel_build_names()) {
