@@ -115,7 +115,8 @@ TORCH_LIBRARY(marlin, m) {
   // [K, N] (a corrupt stream raises, on MPS too); rans_gemm decodes fused into the
   // matmul (the weight is never stored; on MPS a corrupt chunk's outputs are NaN):
   // weight_format is a value format (lossless: the dense op's result for the same
-  // codes, scales, zeros) or "grid" (value (s - 128) * scales[0, n]).
+  // codes, scales, zeros), "grid" (value (s - 128) * scales[0, n]) or "tcq" (the grid's
+  // symbols read through a 4-state trellis per lane: docs/FORMAT.md).
   def_metal_op(m, "rans_decode",
                "(Tensor words, Tensor word_offsets, Tensor states, Tensor freqs, int K, int N, int chunk_k, "
                "int prob_bits)",

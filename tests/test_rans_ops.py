@@ -290,7 +290,7 @@ def test_tcq_is_not_the_grid():
     t = encode(codes.numpy(), chunk_k, 12, 256)
     scales = torch.full((1, n), 0.01).half()
     x = torch.randn(3, k)
-    grid = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12, -1)
+    grid = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, weight_format, k, chunk_k, 12, -1)
     tcq = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "tcq", k, chunk_k, 12, -1)
     assert_close_to_reference(tcq, x, dequantize_codes(codes, scales, None, "tcq", k, chunk_k))
     assert (tcq - grid).abs().max() > 0.1
@@ -458,13 +458,14 @@ def test_kernel_build_matches_reference(build, rerun_under_build):
 
 # --- fake kernels, autograd, torch.compile (registered by torch_marlin/layouts/rans.py) ----
 
-@pytest.mark.parametrize("weight_format", ["uint4", "grid"])
+@pytest.mark.parametrize("weight_format", ["uint4", "grid", "tcq"])
 def test_opcheck(weight_format):
     k, n, chunk_k = 96, 40, 32
-    symbols, group_size = (256, -1) if weight_format == "grid" else (16, 32)
+    grid = weight_format in ("grid", "tcq")
+    symbols, group_size = (256, -1) if grid else (16, 32)
     codes = skewed_codes(k, n, symbols)
     t = encode(codes.numpy(), chunk_k, 12, symbols)
-    scales, zeros = ((torch.rand(1, n) * 0.01).half(), None) if weight_format == "grid" else \
+    scales, zeros = ((torch.rand(1, n) * 0.01).half(), None) if grid else \
         random_groups(k, n, weight_format, group_size)
     for x in (torch.randn(3, k, requires_grad=True), torch.randn(2, 1, k).bfloat16()):
         bias = torch.randn(n).to(x.dtype)
@@ -473,14 +474,15 @@ def test_opcheck(weight_format):
     torch.library.opcheck(torch.ops.marlin.rans_decode.default, (*t, k, n, chunk_k, 12))
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("weight_format", ["grid", "tcq"])
+def test_torch_compile_fullgraph(weight_format):
     k, n, chunk_k = 128, 70, 64
     codes = skewed_codes(k, n, 256)
     t = encode(codes.numpy(), chunk_k, 12, 256)
     scales = (torch.rand(1, n) * 0.01).half()
 
     def f(x):
-        return torch.nn.functional.gelu(torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12,
+        return torch.nn.functional.gelu(torch.ops.marlin.rans_gemm(x, *t, scales, None, None, weight_format, k, chunk_k, 12,
                                                                    -1)) * 2
 
     for rows in (1, 16):

@@ -97,9 +97,8 @@ def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bi
     b = torch.randn(n, generator=gen).to(dtype) if bias else None
     ref = x.double() @ weight + (b.double() if bias else 0.0)
     args = gemm_args(x, stream, scales, zeros, b, fmt, k, chunk_k, prob_bits, group_size)
-    # tcq: against this file's reference only (the CPU op's tcq kernel is csrc/cpu's, tested with it);
-    # the case must tell tcq from the grid's kernel and from a trellis not restarted per chunk
-    cpu = torch.ops.marlin.rans_gemm(*args) if fmt != "tcq" else None
+    # tcq: the case must tell tcq from the grid's kernel and from a trellis not restarted per chunk
+    cpu = torch.ops.marlin.rans_gemm(*args)
     if fmt == "tcq":
         for wrong in tcq_wrong_weights(sym, scales, chunk_k):
             assert rel_err(x.double() @ wrong + (b.double() if bias else 0.0), ref) > 3 * GEMM_TOL[dtype]
@@ -114,8 +113,7 @@ def _check(fmt, dtype, m, n, k, chunk_k, group_size, seed_base, prob_bits=12, bi
             assert st.threadgroup_memory == launch["threadgroup_memory"] <= 32768
         err = rel_err(out, ref)
         assert err <= GEMM_TOL[dtype], (fmt, dtype, m, n, k, chunk_k, group_size, seed, err)
-        if cpu is not None:
-            assert rel_err(out, cpu) <= GEMM_TOL[dtype]  # the CPU op agrees
+        assert rel_err(out, cpu) <= GEMM_TOL[dtype]  # the CPU op agrees
     return plan
 
 
@@ -261,9 +259,8 @@ def test_corrupted_streams_give_nan_for_the_bad_chunk(m, fmt):
         corrupt = dataclasses.replace(stream, words=words, word_offsets=offsets)
         args = gemm_args(x, corrupt, scales, None, None, fmt, K_BAD, CHUNK_BAD, 12, group_size)
         out = run_metal_with_stats("rans_gemm", *args)[0]
-        if fmt != "tcq":  # the CPU op raises instead (its tcq kernel is csrc/cpu's, tested with it)
-            with pytest.raises(ValueError, match="corrupted rans stream|word_offsets"):
-                torch.ops.marlin.rans_gemm(*args)
+        with pytest.raises(ValueError, match="corrupted rans stream|word_offsets"):  # the CPU op raises
+            torch.ops.marlin.rans_gemm(*args)
         bad_columns = mask.any(0)
         assert torch.isnan(out[:, bad_columns]).all(), name
         assert not torch.isnan(out[:, ~bad_columns]).any(), name

@@ -25,20 +25,11 @@ TCQ = "tcq"  # the trellis-coded grid (this layout only): rans.tcq_levels
 GRID_KINDS = rans.GRID_KINDS
 GRID_FORMAT_NUMBERS = {GRID: 64, TCQ: 65}  # their numbers in the state_dict descriptor
 WEIGHT_FORMATS = formats.WEIGHT_FORMATS + GRID_KINDS
-# Whether this build's rans_gemm has the "tcq" kind on every device (the CPU kernels of
-# h-tcq-cpu; Metal has it). Until then linear() decodes "tcq" through the reference
-# path: the CPU kernels before them have no branch for it and must not be called with it.
-TCQ_IN_OPS = False
 
 
 def has_ops() -> bool:
     """Whether this build registers the layout's C++ ops."""
     return hasattr(torch.ops.marlin, "rans_gemm") and hasattr(torch.ops.marlin, "rans_decode")
-
-
-def has_gemm_op(weight_format: str) -> bool:
-    """Whether rans_gemm of this build computes `weight_format`."""
-    return has_ops() and (weight_format != TCQ or TCQ_IN_OPS)
 
 
 def check_weight_format(weight_format, group_size) -> None:
@@ -239,7 +230,7 @@ class RansQuantizedWeight(QuantizedLayout):
         return b.t().to(dtype)
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        if has_gemm_op(self.weight_format):
+        if has_ops():
             pad = self.stored_k - self.in_features
             if pad:
                 x = torch.nn.functional.pad(x, (0, pad))
