@@ -162,9 +162,8 @@ def test_greedy_generate_equals_transformers(name):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_wide_layers_split_over_threads(threads):
-    """Layers wide enough that a GEMV group is several work items (512 columns each) per thread."""
-    model = tiny_model(hidden_size=256, intermediate_size=1024, vocab_size=2304, num_attention_heads=8,
-                       num_key_value_heads=2, head_dim=32)
+    """Layers wide enough that a GEMV group is several column blocks per thread."""
+    model = _wide_model()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -177,6 +176,73 @@ def test_wide_layers_split_over_threads(threads):
                     assert_close_logits(decoder.step(t), r, 1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+def _wide_model():
+    return tiny_model(hidden_size=256, intermediate_size=1024, vocab_size=2304, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32)
+
+
+def _steps_at(decoder, threads, int8):
+    """The decoder's logits of PROMPT[:4] with `threads` torch threads (the engine's team)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        decoder.reset()
+        with torch_marlin.cpu_int8_activations(int8):
+            return [decoder.step(t) for t in PROMPT[:4]]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_logits_do_not_depend_on_the_thread_count(int8):
+    """Every value is computed the same way whichever thread computes it: 1, 2 and 3 threads
+    (more than the machine may have) give the same bits, and changing the count between
+    steps makes a new team."""
+    decoder = CpuDecoder(_wide_model())
+    one = _steps_at(decoder, 1, int8)
+    for threads in (2, 3, 2):
+        for ours, ref in zip(_steps_at(decoder, threads, int8), one):
+            assert torch.equal(ours, ref), threads
+
+
+def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
+    """A step called from another Python thread, and two threads stepping one engine
+    (serialized): no hang, the same logits; then the engine (with its team of
+    threads) is dropped and a new one works."""
+    import threading
+
+    model = _wide_model()
+    decoder = CpuDecoder(model)
+    ref = _steps_at(decoder, 2, False)
+    decoder.reset()
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append([decoder.step(t) for t in PROMPT[:4]])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and not errors
+    for ours, r in zip(out[0], ref):
+        assert torch.equal(ours, r)
+    decoder.reset()
+    workers = [threading.Thread(target=lambda: [decoder.step(t) for t in PROMPT[:2]]) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert not any(w.is_alive() for w in workers) and decoder.position == 4
+    del decoder
+    import gc
+
+    gc.collect()
+    assert torch.equal(_steps_at(CpuDecoder(model), 2, False)[0], ref[0])
 
 
 def test_cache_full_and_bad_tokens_are_errors():
