@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <ctime>
 
@@ -259,8 +258,6 @@ GemvGroup DecodeEngine::make_group(std::vector<int> members, const float* x) {
     g.cols += a.n;
     if (linears_[i].q8) prepared(g.q8, a.group_rows, a.k, true);
     if (has_zeros(WeightFormat(a.format))) prepared(g.xsum, a.group_rows, a.k, false);
-    const GemmArgs& first = linears_[g.linears[0]].args;
-    g.k_split = g.k_split && a.k == first.k && a.group_rows == first.group_rows;
   }
   return g;
 }
@@ -312,18 +309,11 @@ void DecodeEngine::finish() {
     linears_[L.gate].out = gate_.data(), linears_[L.up].out = up_.data();
     linears_[L.down].out = down_.data();
     groups_.push_back(make_group({L.q, L.k, L.v}, x_attn_.data()));
-    groups_.back().kind = 0;
     groups_.push_back(make_group({L.o}, x_o_.data()));
-    groups_.back().kind = 1;
     groups_.push_back(make_group({L.gate, L.up}, x_mlp_.data()));
-    groups_.back().kind = 2;
     groups_.push_back(make_group({L.down}, x_down_.data()));
-    groups_.back().kind = 3;
   }
-  if (!float_head_.defined()) {
-    groups_.push_back(make_group({int(slots_[layers_ * kRolesPerLayer])}, x_head_.data()));
-    groups_.back().kind = 4;
-  }
+  if (!float_head_.defined()) groups_.push_back(make_group({int(slots_[layers_ * kRolesPerLayer])}, x_head_.data()));
   widest_ = 0;
   for (GemvGroup& g : groups_) {
     widest_ = std::max(widest_, g.cols);
@@ -348,6 +338,7 @@ void DecodeEngine::check_ready() const {
 
 void DecodeEngine::reset() {
   check_ready();
+  std::lock_guard<std::mutex> lock(step_mutex_);
   pos_ = 0;
 }
 
@@ -398,53 +389,6 @@ void DecodeEngine::prepare(GemvGroup& g, int t, int n, bool int8) {
 // in whole blocks of kGemvBlockCols (fewer, longer weight streams).
 void DecodeEngine::gemv(GemvGroup& g, int t, int n, bool int8) {
   const Q8Kernels* q8 = int8 ? &q8_kernels() : nullptr;  // the int8 dot product the ops chose
-  float* scratch = scratch_.data() + t * gemv_scratch_floats(widest_);
-  auto run = [&](const EngineLinear& l, const GemmArgs& a, int64_t n0, int64_t n1) {
-    if (int8 && l.q8)
-      q8->gemv_q8(a, 0, 1, n0, n1);
-    else
-      kern_->gemv(a, 0, 1, n0, n1);
-  };
-  static const int ksplit_mask = getenv("MARLIN_KSPLIT") ? atoi(getenv("MARLIN_KSPLIT")) : 0;
-  if (n > 1 && g.k_split && (ksplit_mask >> g.kind & 1)) {
-    // Thread t's rows of K over all columns, into its own partial sums.
-    float* partial = partial_.data() + t * widest_;
-    const GemmArgs& first = linears_[g.linears[0]].args;
-    const auto [u0, u1] = share(first.k / first.group_rows, t, n);
-    for (size_t m = 0; m < g.linears.size(); ++m) {
-      const EngineLinear& l = linears_[g.linears[m]];
-      GemmArgs a = l.args;
-      const int64_t k0 = u0 * a.group_rows, gr0 = u0;
-      a.k = (u1 - u0) * a.group_rows;
-      a.groups = u1 - u0;
-      a.packed += k0 / 8 * a.n;
-      a.scales += gr0 * a.n;
-      if (a.zeros) a.zeros += gr0 * a.n;
-      a.x += k0;
-      if (a.xsum) a.xsum += gr0;
-      if (a.q8_x) a.q8_x += k0 / 4, a.q8_scale += k0 / kQ8Block, a.q8_gsum += gr0;
-      a.out = partial + g.first_col[m];
-      a.scratch = scratch;
-      if (a.k > 0) run(l, a, 0, a.n);
-      else std::fill(a.out, a.out + a.n, 0.f);
-    }
-    sync(n);
-    const auto [c0, c1] = share(g.cols, t, n);
-    for (size_t m = 0; m < g.linears.size(); ++m) {
-      const EngineLinear& l = linears_[g.linears[m]];
-      const int64_t n0 = std::max(c0, g.first_col[m]), n1 = std::min(c1, g.first_col[m] + l.args.n);
-      for (int64_t c = n0; c < n1; ++c) {
-        float s = partial_[c];
-        for (int u = 1; u < n; ++u) s += partial_[u * widest_ + c];
-        l.out[c - g.first_col[m]] = s;
-      }
-      if (l.bias.defined() && n0 < n1) {
-        const float* b = l.bias.data_ptr<float>();
-        for (int64_t c = n0; c < n1; ++c) l.out[c - g.first_col[m]] += b[c - g.first_col[m]];
-      }
-    }
-    return;
-  }
   const auto [b0, b1] = share((g.cols + kGemvBlockCols - 1) / kGemvBlockCols, t, n);
   const int64_t c0 = b0 * kGemvBlockCols, c1 = std::min(g.cols, b1 * kGemvBlockCols);
   for (size_t m = 0; m < g.linears.size(); ++m) {
@@ -453,8 +397,11 @@ void DecodeEngine::gemv(GemvGroup& g, int t, int n, bool int8) {
     const int64_t n1 = std::min(c1, g.first_col[m] + l.args.n) - g.first_col[m];
     if (n0 >= n1) continue;
     GemmArgs a = l.args;
-    a.scratch = scratch;
-    run(l, a, n0, n1);
+    a.scratch = scratch_.data() + t * gemv_scratch_floats(widest_);  // the thread's own
+    if (int8 && l.q8)
+      q8->gemv_q8(a, 0, 1, n0, n1);
+    else
+      kern_->gemv(a, 0, 1, n0, n1);
     if (l.bias.defined()) {
       const float* b = l.bias.data_ptr<float>();
       for (int64_t c = n0; c < n1; ++c) l.out[c] += b[c];
@@ -551,7 +498,6 @@ at::Tensor DecodeEngine::step(int64_t token) {
       team_.reset();  // its workers joined before new ones start
       team_ = std::make_unique<ThreadTeam>(threads);
       scratch_.assign(threads * gemv_scratch_floats(widest_), 0.f);
-      partial_.assign(threads * widest_, 0.f);
     }
     team_->run([&](int t) { run_token(t, threads, int8); });
   }

@@ -48,8 +48,6 @@ struct GemvGroup {
   std::vector<int64_t> first_col;  // per member: its first column among the group's columns
   int64_t cols = 0;
   std::vector<PreparedInput> q8, xsum;  // per distinct group size needing them
-  bool k_split = true;
-  int kind = 0;
 };
 
 class DecodeEngine : public torch::CustomClassHolder {
@@ -114,10 +112,10 @@ class DecodeEngine : public torch::CustomClassHolder {
   std::vector<float> cache_;   // [layers][2 (k, v)][kv_heads][max_length][head_dim]
   std::vector<float> scores_;  // [heads][max_length]
   std::vector<float> cos_, sin_;  // RoPE at the current position [head_dim / 2]
-  // The GEMVs' per-column sums (GemmArgs::scratch): a thread's item of columns c0:c1
-  // uses 2 * kGemvScratchRows * c0 on, never another item's part (allocated once).
-  std::vector<float> scratch_, partial_;
-  int64_t widest_ = 0;
+  // The GEMVs' per-column sums (GemmArgs::scratch), gemv_scratch_floats(widest_)
+  // per thread (allocated when the thread count changes).
+  std::vector<float> scratch_;
+  int64_t widest_ = 0;  // columns of the widest group
   std::unique_ptr<ThreadTeam> team_;  // at::get_num_threads() - 1 workers, made at the first step that needs them
   std::mutex step_mutex_;             // one step at a time: the buffers are shared
 };
