@@ -2,7 +2,7 @@
 // engine (csrc/cpu/decode_engine.cpp): as llama.cpp runs a token, the caller and
 // persistent workers go through the token's phases together and meet at
 // spinning barriers between them, instead of a fork and join of torch's thread
-// pool per phase (about 30 per token). Waiting spins with a pause instruction
+// pool per phase (about 20 per token). Waiting spins with a pause instruction
 // for a bounded time; then a barrier yields the core, and a worker with no job
 // sleeps, so an idle team does not hold a core.
 #pragma once
@@ -27,15 +27,16 @@ class ThreadTeam {
  public:
   // The caller of run() and threads - 1 workers started here.
   explicit ThreadTeam(int threads) : threads_(threads) {
-    for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+    try {
+      for (int t = 1; t < threads_; ++t) workers_.emplace_back([this, t] { work(t); });
+    } catch (...) {  // no thread left running (or unjoined) when one cannot start
+      stop();
+      throw;
+    }
   }
   ThreadTeam(const ThreadTeam&) = delete;
   ThreadTeam& operator=(const ThreadTeam&) = delete;
-  ~ThreadTeam() {
-    stop_.store(true, std::memory_order_relaxed);
-    start_job();
-    for (std::thread& w : workers_) w.join();
-  }
+  ~ThreadTeam() { stop(); }
 
   int size() const { return threads_; }
 
@@ -93,6 +94,12 @@ class ThreadTeam {
         i = 255;  // check the clock no more: yield between checks from now on
       }
     }
+  }
+
+  void stop() {
+    stop_.store(true, std::memory_order_relaxed);
+    start_job();
+    for (std::thread& w : workers_) w.join();
   }
 
   void start_job() {
