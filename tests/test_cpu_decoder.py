@@ -196,15 +196,19 @@ def _steps_at(decoder, threads, int8):
 
 
 @pytest.mark.parametrize("int8", [False, True])
-def test_logits_do_not_depend_on_the_thread_count(int8):
-    """Every value is computed the same way whichever thread computes it: 1, 2 and 3 threads
-    (more than the machine may have) give the same bits, and changing the count between
-    steps makes a new team."""
+def test_logits_are_deterministic_for_each_thread_count(int8):
+    """Each thread count gives the same bits every time (the work is split the same way
+    each token), 1, 2 and 3 threads (more than the machine may have) agree closely (narrow
+    GEMVs split K at several threads: partial sums added in another order), and changing
+    the count between steps makes a new team."""
     decoder = CpuDecoder(_wide_model())
     one = _steps_at(decoder, 1, int8)
-    for threads in (2, 3, 2):
-        for ours, ref in zip(_steps_at(decoder, threads, int8), one):
-            assert torch.equal(ours, ref), threads
+    for threads in (2, 3, 2, 1):
+        ours = _steps_at(decoder, threads, int8)
+        again = _steps_at(decoder, threads, int8)
+        for o, a, ref in zip(ours, again, one):
+            assert torch.equal(o, a), threads
+            assert_close_logits(o, ref, 1e-5 if not int8 else 1e-3)
 
 
 def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
@@ -230,7 +234,7 @@ def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
     worker.join(timeout=60)
     assert not worker.is_alive() and not errors
     for ours, r in zip(out[0], ref):
-        assert torch.equal(ours, r)
+        assert_close_logits(ours, r, 1e-5)
     decoder.reset()
     workers = [threading.Thread(target=lambda: [decoder.step(t) for t in PROMPT[:2]]) for _ in range(2)]
     for w in workers:
@@ -242,7 +246,7 @@ def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
     import gc
 
     gc.collect()
-    assert torch.equal(_steps_at(CpuDecoder(model), 2, False)[0], ref[0])
+    assert torch.equal(_steps_at(CpuDecoder(model), 2, False)[0], ref[0])  # the same thread count
 
 
 def test_cache_full_and_bad_tokens_are_errors():

@@ -48,6 +48,7 @@ struct GemvGroup {
   std::vector<int64_t> first_col;  // per member: its first column among the group's columns
   int64_t cols = 0;
   std::vector<PreparedInput> q8, xsum;  // per distinct group size needing them
+  bool same_k = true;  // every member has the same padded K and group size (K can be split)
 };
 
 class DecodeEngine : public torch::CustomClassHolder {
@@ -115,7 +116,8 @@ class DecodeEngine : public torch::CustomClassHolder {
   // The GEMVs' per-column sums (GemmArgs::scratch), gemv_scratch_floats(widest_)
   // per thread (allocated when the thread count changes).
   std::vector<float> scratch_;
-  int64_t widest_ = 0;  // columns of the widest group
+  std::vector<float> partial_;  // K split: per thread, its partial sums of a group's columns [widest_]
+  int64_t widest_ = 0;          // columns of the widest group
   std::unique_ptr<ThreadTeam> team_;  // at::get_num_threads() - 1 workers, made at the first step that needs them
   std::mutex step_mutex_;             // one step at a time: the buffers are shared
 };
