@@ -41,7 +41,7 @@ struct PreparedInput {
 };
 
 // Linears that read the same input (q|k|v, gate|up, or one alone): x is prepared
-// once for all of them and their columns are split over the threads in one phase.
+// once for all of them and their work is split over the threads in one phase.
 struct GemvGroup {
   std::vector<int> linears;        // indices into DecodeEngine::linears_
   const float* x = nullptr;        // input buffer [padded K]
