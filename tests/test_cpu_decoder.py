@@ -162,9 +162,8 @@ def test_greedy_generate_equals_transformers(name):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_wide_layers_split_over_threads(threads):
-    """Layers wide enough that a GEMV group is several work items (512 columns each) per thread."""
-    model = tiny_model(hidden_size=256, intermediate_size=1024, vocab_size=2304, num_attention_heads=8,
-                       num_key_value_heads=2, head_dim=32)
+    """Layers wide enough that a GEMV group is several column blocks per thread."""
+    model = _wide_model()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -177,6 +176,77 @@ def test_wide_layers_split_over_threads(threads):
                     assert_close_logits(decoder.step(t), r, 1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+def _wide_model():
+    return tiny_model(hidden_size=256, intermediate_size=1024, vocab_size=2304, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32)
+
+
+def _steps_at(decoder, threads, int8):
+    """The decoder's logits of PROMPT[:4] with `threads` torch threads (the engine's team)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        decoder.reset()
+        with torch_marlin.cpu_int8_activations(int8):
+            return [decoder.step(t) for t in PROMPT[:4]]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_logits_are_deterministic_for_each_thread_count(int8):
+    """Each thread count gives the same bits every time (the work is split the same way
+    each token), 1, 2 and 3 threads (more than the machine may have) agree closely (narrow
+    GEMVs split K at several threads: partial sums added in another order), and changing
+    the count between steps makes a new team."""
+    decoder = CpuDecoder(_wide_model())
+    one = _steps_at(decoder, 1, int8)
+    for threads in (2, 3, 2, 1):
+        ours = _steps_at(decoder, threads, int8)
+        again = _steps_at(decoder, threads, int8)
+        for o, a, ref in zip(ours, again, one):
+            assert torch.equal(o, a), threads
+            assert_close_logits(o, ref, 1e-5 if not int8 else 1e-3)
+
+
+def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
+    """A step called from another Python thread, and two threads stepping one engine
+    (serialized): no hang, the same logits; then the engine (with its team of
+    threads) is dropped and a new one works."""
+    import threading
+
+    model = _wide_model()
+    decoder = CpuDecoder(model)
+    ref = _steps_at(decoder, 2, False)
+    decoder.reset()
+    out, errors = [], []
+
+    def run():
+        try:
+            out.append([decoder.step(t) for t in PROMPT[:4]])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and not errors
+    for ours, r in zip(out[0], ref):
+        assert_close_logits(ours, r, 1e-5)
+    decoder.reset()
+    workers = [threading.Thread(target=lambda: [decoder.step(t) for t in PROMPT[:2]]) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+    assert not any(w.is_alive() for w in workers) and decoder.position == 4
+    del decoder
+    import gc
+
+    gc.collect()
+    assert torch.equal(_steps_at(CpuDecoder(model), 2, False)[0], ref[0])  # the same thread count
 
 
 def test_cache_full_and_bad_tokens_are_errors():

@@ -8,7 +8,6 @@
 #include <ATen/ops/mv.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -22,6 +21,7 @@ namespace cpu {
 namespace {
 
 const char* const kRoles[] = {"q", "k", "v", "o", "gate", "up", "down"};
+constexpr int64_t kSplitKCols = 2048;  // DecodeEngine::gemv
 constexpr int64_t kRolesPerLayer = 7;
 
 int role_index(const std::string& role) {
@@ -69,9 +69,30 @@ MARLIN_CLONES void rms_norm(const float* x, const float* weight, int64_t n, floa
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
+// exp(x) within 1 ulp (checked against double exp on every float of the range),
+// as Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a polynomial for exp(r). No
+// libm call, so that SiLU's loop vectorizes (std::exp was 0.8% of a token at
+// one thread). x is clamped to [-87, 88], where exp(x) is a normal float.
+inline float exp_clamped(float x) {
+  x = std::min(std::max(x, -87.f), 88.f);
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;           // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
 // out = silu(gate) * up.
 MARLIN_CLONES void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + exp_clamped(-gate[i])) * up[i];
 }
 
 // x (one row, k values) as int8 blocks (activation_q8.h): the dense op's blocks, bit for bit.
@@ -98,18 +119,14 @@ MARLIN_CLONES void attend(const float* q, const float* keys, const float* values
   }
 }
 
-// Rotary embedding of `heads` vectors [head_dim] at `pos`, the halves rotated
+// Rotary embedding of one head's vector [head_dim], the halves rotated
 // (transformers' rotate_half): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin.
-void rope(float* x, int64_t heads, int64_t head_dim, const float* inv_freq, int64_t pos) {
+void rope(float* v, int64_t head_dim, const float* cos, const float* sin) {
   const int64_t half = head_dim / 2;
   for (int64_t i = 0; i < half; ++i) {
-    const float angle = float(pos) * inv_freq[i], c = std::cos(angle), s = std::sin(angle);
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = x + h * head_dim;
-      const float x1 = v[i], x2 = v[i + half];
-      v[i] = x1 * c - x2 * s;
-      v[i + half] = x2 * c + x1 * s;
-    }
+    const float x1 = v[i], x2 = v[i + half];
+    v[i] = x1 * cos[i] - x2 * sin[i];
+    v[i + half] = x2 * cos[i] + x1 * sin[i];
   }
 }
 
@@ -242,6 +259,8 @@ GemvGroup DecodeEngine::make_group(std::vector<int> members, const float* x) {
     g.cols += a.n;
     if (linears_[i].q8) prepared(g.q8, a.group_rows, a.k, true);
     if (has_zeros(WeightFormat(a.format))) prepared(g.xsum, a.group_rows, a.k, false);
+    const GemmArgs& first = linears_[g.linears[0]].args;
+    g.same_k = g.same_k && a.k == first.k && a.group_rows == first.group_rows;
   }
   return g;
 }
@@ -284,6 +303,8 @@ void DecodeEngine::finish() {
   down_.assign(hidden_, 0.f);
   cache_.assign(layers_ * 2 * kv_heads_ * max_length_ * head_dim_, 0.f);
   scores_.assign(heads_ * max_length_, 0.f);
+  cos_.assign(head_dim_ / 2, 0.f);
+  sin_.assign(head_dim_ / 2, 0.f);
   for (int64_t l = 0; l < layers_; ++l) {
     Layer& L = layer_[l];
     linears_[L.q].out = q_.data(), linears_[L.k].out = k_.data(), linears_[L.v].out = v_.data();
@@ -296,9 +317,21 @@ void DecodeEngine::finish() {
     groups_.push_back(make_group({L.down}, x_down_.data()));
   }
   if (!float_head_.defined()) groups_.push_back(make_group({int(slots_[layers_ * kRolesPerLayer])}, x_head_.data()));
-  int64_t widest = 0;
-  for (const GemvGroup& g : groups_) widest = std::max(widest, g.cols);
-  scratch_.assign(2 * kGemvScratchRows * ((widest + kGemvBlockCols - 1) / kGemvBlockCols * kGemvBlockCols), 0.f);
+  widest_ = 0;
+  for (GemvGroup& g : groups_) {
+    widest_ = std::max(widest_, g.cols);
+    for (int i : g.linears) {  // x, out and the prepared x (none of them moves from now on)
+      GemmArgs& a = linears_[i].args;
+      a.x = g.x;
+      a.out = linears_[i].out;
+      for (PreparedInput& p : g.q8)
+        if (p.group_rows == a.group_rows)
+          a.q8_x = p.q8_x.data(), a.q8_scale = p.q8_scale.data(), a.q8_gsum = p.sums.data();
+      for (PreparedInput& p : g.xsum)
+        if (p.group_rows == a.group_rows) a.xsum = p.sums.data();
+    }
+  }
+  scratch_.assign(gemv_scratch_floats(widest_), 0.f);
   finished_ = true;
 }
 
@@ -308,6 +341,7 @@ void DecodeEngine::check_ready() const {
 
 void DecodeEngine::reset() {
   check_ready();
+  std::lock_guard<std::mutex> lock(step_mutex_);
   pos_ = 0;
 }
 
@@ -323,123 +357,203 @@ void DecodeEngine::time_gemvs(std::string clock) {
 
 double DecodeEngine::gemv_seconds() { return gemv_seconds_; }
 
-// x is prepared once for the group (int8 blocks, or the group sums uint4 needs
-// on fp32 x); then one parallel region splits all members' columns over the threads.
-void DecodeEngine::run_group(GemvGroup& g, bool int8) {
-  const double start = timing_clock_ >= 0 ? seconds(timing_clock_) : 0;
-  for (PreparedInput& p : g.q8)
-    if (int8) {
-      const int64_t k = int64_t(p.q8_scale.size()) * kQ8Block;
-      quantize_row_q8(g.x, k, p.group_rows, p.q8_x.data(), p.q8_scale.data(), p.sums.data());
+namespace {
+
+// Thread t's part [first, last) of `units` in a team of n: the same for every token.
+std::pair<int64_t, int64_t> share(int64_t units, int t, int n) { return {units * t / n, units * (t + 1) / n}; }
+
+}  // namespace
+
+void DecodeEngine::sync(int n) {
+  if (n > 1) team_->barrier();
+}
+
+// Thread t's share of the group's x, as whole groups of rows: int8 blocks, or the
+// group sums uint4 needs on fp32 x.
+void DecodeEngine::prepare(GemvGroup& g, int t, int n, bool int8) {
+  if (int8)
+    for (PreparedInput& p : g.q8) {
+      const auto [g0, g1] = share(int64_t(p.sums.size()), t, n);
+      const int64_t r0 = g0 * p.group_rows;
+      quantize_row_q8(g.x + r0, (g1 - g0) * p.group_rows, p.group_rows, p.q8_x.data() + r0 / 4,
+                      p.q8_scale.data() + r0 / kQ8Block, p.sums.data() + g0);
     }
-  for (PreparedInput& p : g.xsum)
-    for (size_t i = 0; i < p.sums.size(); ++i) {
+  for (PreparedInput& p : g.xsum) {
+    const auto [g0, g1] = share(int64_t(p.sums.size()), t, n);
+    for (int64_t i = g0; i < g1; ++i) {
       float s = 0.f;
       for (int64_t j = 0; j < p.group_rows; ++j) s += g.x[i * p.group_rows + j];
       p.sums[i] = s;
     }
-  for (int i : g.linears) {  // x pointers, per call (the lists above never reallocate)
-    GemmArgs& a = linears_[i].args;
-    a.x = g.x;
-    a.out = linears_[i].out;
-    for (PreparedInput& p : g.q8)
-      if (p.group_rows == a.group_rows) a.q8_x = p.q8_x.data(), a.q8_scale = p.q8_scale.data(), a.q8_gsum = p.sums.data();
-    for (PreparedInput& p : g.xsum)
-      if (p.group_rows == a.group_rows) a.xsum = p.sums.data();
   }
-  const Q8Kernels* q8 = int8 ? &q8_kernels() : nullptr;  // the int8 dot product the ops chose
-  auto columns = [&](int64_t b0, int64_t b1) {  // the group's column blocks b0:b1
-    const int64_t c0 = b0 * kGemvBlockCols, c1 = std::min(g.cols, b1 * kGemvBlockCols);
-    for (size_t m = 0; m < g.linears.size(); ++m) {
-      const EngineLinear& l = linears_[g.linears[m]];
-      const int64_t n0 = std::max(c0, g.first_col[m]) - g.first_col[m];
-      const int64_t n1 = std::min(c1, g.first_col[m] + l.args.n) - g.first_col[m];
-      if (n0 >= n1) continue;
-      GemmArgs a = l.args;
-      a.scratch = scratch_.data() + 2 * kGemvScratchRows * c0;  // n1 - n0 <= c1 - c0 columns
-      if (int8 && l.q8)
-        q8->gemv_q8(a, 0, 1, n0, n1);
-      else
-        kern_->gemv(a, 0, 1, n0, n1);
-      if (l.bias.defined()) {
-        const float* b = l.bias.data_ptr<float>();
-        for (int64_t n = n0; n < n1; ++n) l.out[n] += b[n];
-      }
-    }
-  };
-  const int64_t blocks = (g.cols + kGemvBlockCols - 1) / kGemvBlockCols;
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || at::in_parallel_region()) {
-    columns(0, blocks);
-  } else {
-    // One contiguous share of the group's columns per thread (handed out as threads
-    // start). Measured against items of >= 512 columns, about 4 per thread, handed out
-    // as threads come free: 2 threads, quiet machine, 7.2-8.1 against 7.7-9.6 ms per
-    // token (bench_llamacpp's model), so fewer, longer streams win.
-    const int64_t item = (blocks + threads - 1) / threads, items = (blocks + item - 1) / item;
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t i = next++; i < items; i = next++) columns(i * item, std::min(blocks, (i + 1) * item));
-    });
-  }
-  if (timing_clock_ >= 0) gemv_seconds_ += seconds(timing_clock_) - start;
 }
 
-// Attention of the current token over the cache (positions 0..pos_), per query
-// head against its KV head (GQA), output into x_o_.
-void DecodeEngine::attention(int64_t layer) {
+// Thread t's part of the group's GEMVs. Narrow groups (at most kSplitKCols
+// columns per thread) split K: each thread reads one contiguous range of word
+// rows over all columns into its own partial sums, added in thread order after
+// a barrier; measured at two threads, quiet machine, on bench_llamacpp's model
+// (q|k|v, o and down split K): 6.05-6.20 against 6.26-6.63 ms per token, where
+// a column share is a 4 KiB piece of every word row. Wider groups give each
+// thread one contiguous share of all members' columns in whole blocks of
+// kGemvBlockCols (fewer, longer weight streams).
+void DecodeEngine::gemv(GemvGroup& g, int t, int n, bool int8) {
+  const Q8Kernels* q8 = int8 ? &q8_kernels() : nullptr;  // the int8 dot product the ops chose
+  float* scratch = scratch_.data() + t * gemv_scratch_floats(widest_);  // the thread's own
+  auto run = [&](const EngineLinear& l, const GemmArgs& a, int64_t n0, int64_t n1) {
+    if (int8 && l.q8)
+      q8->gemv_q8(a, 0, 1, n0, n1);
+    else
+      kern_->gemv(a, 0, 1, n0, n1);
+  };
+  if (n > 1 && g.same_k && g.cols <= kSplitKCols * n) {
+    float* partial = partial_.data() + t * widest_;
+    const GemmArgs& first = linears_[g.linears[0]].args;
+    const auto [g0, g1] = share(first.k / first.group_rows, t, n);  // whole groups of K rows
+    for (size_t m = 0; m < g.linears.size(); ++m) {
+      const EngineLinear& l = linears_[g.linears[m]];
+      GemmArgs a = l.args;
+      const int64_t k0 = g0 * a.group_rows;
+      a.k = (g1 - g0) * a.group_rows;
+      a.groups = g1 - g0;
+      a.packed += k0 / 8 * a.n;
+      a.scales += g0 * a.n;
+      if (a.zeros) a.zeros += g0 * a.n;
+      a.x += k0;
+      if (a.xsum) a.xsum += g0;
+      if (a.q8_x) a.q8_x += k0 / 4, a.q8_scale += k0 / kQ8Block, a.q8_gsum += g0;
+      a.out = partial + g.first_col[m];
+      a.scratch = scratch;
+      if (a.k > 0)
+        run(l, a, 0, a.n);
+      else
+        std::fill(a.out, a.out + a.n, 0.f);
+    }
+    sync(n);
+    const auto [c0, c1] = share(g.cols, t, n);  // the sums of the thread's columns
+    for (size_t m = 0; m < g.linears.size(); ++m) {
+      const EngineLinear& l = linears_[g.linears[m]];
+      const int64_t first_col = g.first_col[m];
+      const float* b = l.bias.defined() ? l.bias.data_ptr<float>() : nullptr;
+      for (int64_t c = std::max(c0, first_col); c < std::min(c1, first_col + l.args.n); ++c) {
+        float sum = partial_[c];
+        for (int u = 1; u < n; ++u) sum += partial_[u * widest_ + c];
+        l.out[c - first_col] = b ? sum + b[c - first_col] : sum;
+      }
+    }
+    return;
+  }
+  const auto [b0, b1] = share((g.cols + kGemvBlockCols - 1) / kGemvBlockCols, t, n);
+  const int64_t c0 = b0 * kGemvBlockCols, c1 = std::min(g.cols, b1 * kGemvBlockCols);
+  for (size_t m = 0; m < g.linears.size(); ++m) {
+    const EngineLinear& l = linears_[g.linears[m]];
+    const int64_t n0 = std::max(c0, g.first_col[m]) - g.first_col[m];
+    const int64_t n1 = std::min(c1, g.first_col[m] + l.args.n) - g.first_col[m];
+    if (n0 >= n1) continue;
+    GemmArgs a = l.args;
+    a.scratch = scratch;
+    run(l, a, n0, n1);
+    if (l.bias.defined()) {
+      const float* b = l.bias.data_ptr<float>();
+      for (int64_t c = n0; c < n1; ++c) l.out[c] += b[c];
+    }
+  }
+}
+
+// Thread t's share of the KV heads: RoPE of their k and of their query heads, k
+// and v into the cache, and those query heads' attention over positions 0..pos_
+// (GQA), output into x_o_.
+void DecodeEngine::attention(int64_t layer, int t, int n) {
   const int64_t len = pos_ + 1, group = heads_ / kv_heads_;
   const float scale = float(1.0 / std::sqrt(double(head_dim_)));
-  const float* keys = cache_.data() + layer * 2 * kv_heads_ * max_length_ * head_dim_;
-  const float* values = keys + kv_heads_ * max_length_ * head_dim_;
-  // Threads only when a head has enough work to pay for the fork.
-  const int64_t grain = std::max<int64_t>(1, 32768 / (len * head_dim_));
-  at::parallel_for(0, heads_, grain, [&](int64_t h0, int64_t h1) {
-    for (int64_t h = h0; h < h1; ++h)
-      attend(q_.data() + h * head_dim_, keys + (h / group) * max_length_ * head_dim_,
-             values + (h / group) * max_length_ * head_dim_, len, head_dim_, scale,
-             scores_.data() + h * max_length_, x_o_.data() + h * head_dim_);
-  });
+  float* keys = cache_.data() + layer * 2 * kv_heads_ * max_length_ * head_dim_;
+  float* values = keys + kv_heads_ * max_length_ * head_dim_;
+  const auto [j0, j1] = share(kv_heads_, t, n);
+  for (int64_t j = j0; j < j1; ++j) {
+    float* key = keys + (j * max_length_ + pos_) * head_dim_;
+    rope(k_.data() + j * head_dim_, head_dim_, cos_.data(), sin_.data());
+    std::memcpy(key, k_.data() + j * head_dim_, head_dim_ * sizeof(float));
+    std::memcpy(values + (j * max_length_ + pos_) * head_dim_, v_.data() + j * head_dim_, head_dim_ * sizeof(float));
+    for (int64_t h = j * group; h < (j + 1) * group; ++h) {
+      rope(q_.data() + h * head_dim_, head_dim_, cos_.data(), sin_.data());
+      attend(q_.data() + h * head_dim_, keys + j * max_length_ * head_dim_, values + j * max_length_ * head_dim_, len,
+             head_dim_, scale, scores_.data() + h * max_length_, x_o_.data() + h * head_dim_);
+    }
+  }
+}
+
+// Phases, each split over the threads, with a barrier (sync) wherever the next
+// one reads what other threads wrote; the small serial parts (norms, residuals)
+// run on thread 0.
+void DecodeEngine::run_token(int t, int n, bool int8) {
+  double start = 0;
+  auto gemvs = [&](GemvGroup& g) {  // prepare x, then the GEMVs; timed on thread 0
+    if (t == 0 && timing_clock_ >= 0) start = seconds(timing_clock_);
+    prepare(g, t, n, int8);
+    sync(n);
+    gemv(g, t, n, int8);
+    sync(n);
+    if (t == 0 && timing_clock_ >= 0) gemv_seconds_ += seconds(timing_clock_) - start;
+  };
+  if (t == 0)
+    for (int64_t i = 0; i < head_dim_ / 2; ++i) {
+      const float angle = float(pos_) * inv_freq_.data_ptr<float>()[i];
+      cos_[i] = std::cos(angle), sin_[i] = std::sin(angle);
+    }
+  for (int64_t l = 0; l < layers_; ++l) {
+    const Layer& L = layer_[l];
+    if (t == 0) rms_norm(h_.data(), L.input_norm.data_ptr<float>(), hidden_, eps_, x_attn_.data());
+    sync(n);
+    gemvs(groups_[4 * l]);
+    attention(l, t, n);
+    sync(n);
+    gemvs(groups_[4 * l + 1]);
+    if (t == 0) {
+      for (int64_t i = 0; i < hidden_; ++i) h_[i] += o_[i];
+      rms_norm(h_.data(), L.post_norm.data_ptr<float>(), hidden_, eps_, x_mlp_.data());
+    }
+    sync(n);
+    gemvs(groups_[4 * l + 2]);
+    {
+      const auto [c0, c1] = share(intermediate_, t, n);
+      silu_mul(gate_.data() + c0, up_.data() + c0, c1 - c0, x_down_.data() + c0);
+    }
+    sync(n);
+    gemvs(groups_[4 * l + 3]);
+    if (t == 0)
+      for (int64_t i = 0; i < hidden_; ++i) h_[i] += down_[i];
+  }
+  if (t == 0) rms_norm(h_.data(), final_norm_.data_ptr<float>(), hidden_, eps_, x_head_.data());
+  sync(n);
+  if (!float_head_.defined()) gemvs(groups_.back());
 }
 
 at::Tensor DecodeEngine::step(int64_t token) {
   check_ready();
   TORCH_CHECK_VALUE(token >= 0 && token < vocab_, "token must be in [0, ", vocab_, "), got ", token);
+  std::lock_guard<std::mutex> lock(step_mutex_);
   TORCH_CHECK_VALUE(pos_ < max_length_, "CpuDecodeEngine: the KV cache holds max_length = ", max_length_,
                     " tokens and is full; reset() it or build the decoder with a larger max_length");
   const bool int8 = int8_activations();
   std::memcpy(h_.data(), embedding_.data_ptr<float>() + token * hidden_, hidden_ * sizeof(float));
-  const int64_t kv = kv_heads_ * head_dim_;
-  for (int64_t l = 0; l < layers_; ++l) {
-    const Layer& L = layer_[l];
-    rms_norm(h_.data(), L.input_norm.data_ptr<float>(), hidden_, eps_, x_attn_.data());
-    run_group(groups_[4 * l], int8);
-    rope(q_.data(), heads_, head_dim_, inv_freq_.data_ptr<float>(), pos_);
-    rope(k_.data(), kv_heads_, head_dim_, inv_freq_.data_ptr<float>(), pos_);
-    float* keys = cache_.data() + l * 2 * kv * max_length_;
-    float* values = keys + kv * max_length_;
-    for (int64_t h = 0; h < kv_heads_; ++h) {
-      std::memcpy(keys + (h * max_length_ + pos_) * head_dim_, k_.data() + h * head_dim_, head_dim_ * sizeof(float));
-      std::memcpy(values + (h * max_length_ + pos_) * head_dim_, v_.data() + h * head_dim_, head_dim_ * sizeof(float));
-    }
-    attention(l);
-    run_group(groups_[4 * l + 1], int8);
-    for (int64_t i = 0; i < hidden_; ++i) h_[i] += o_[i];
-    rms_norm(h_.data(), L.post_norm.data_ptr<float>(), hidden_, eps_, x_mlp_.data());
-    run_group(groups_[4 * l + 2], int8);
-    silu_mul(gate_.data(), up_.data(), intermediate_, x_down_.data());
-    run_group(groups_[4 * l + 3], int8);
-    for (int64_t i = 0; i < hidden_; ++i) h_[i] += down_[i];
-  }
-  rms_norm(h_.data(), final_norm_.data_ptr<float>(), hidden_, eps_, x_head_.data());
   at::Tensor logits = at::empty({vocab_}, embedding_.options());
-  if (float_head_.defined()) {
-    at::mv_out(logits, float_head_, at::from_blob(x_head_.data(), {hidden_}, embedding_.options()));
-  } else {
-    GemvGroup& head = groups_.back();
-    linears_[head.linears[0]].out = logits.data_ptr<float>();
-    run_group(head, int8);
+  if (!float_head_.defined()) {
+    EngineLinear& head = linears_[groups_.back().linears[0]];
+    head.out = head.args.out = logits.data_ptr<float>();
   }
+  const int threads = at::in_parallel_region() ? 1 : std::max(1, at::get_num_threads());
+  if (threads == 1) {
+    run_token(0, 1, int8);
+  } else {
+    if (!team_ || team_->size() != threads) {
+      team_.reset();  // its workers joined before new ones start
+      team_ = std::make_unique<ThreadTeam>(threads);
+      scratch_.assign(threads * gemv_scratch_floats(widest_), 0.f);
+      partial_.assign(threads * widest_, 0.f);
+    }
+    team_->run([&](int t) { run_token(t, threads, int8); });
+  }
+  if (float_head_.defined())
+    at::mv_out(logits, float_head_, at::from_blob(x_head_.data(), {hidden_}, embedding_.options()));
   ++pos_;
   return logits;
 }

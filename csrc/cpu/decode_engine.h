@@ -12,10 +12,13 @@
 #include <c10/util/Optional.h>
 #include <torch/custom_class.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "cpu/kernel_args.h"
+#include "cpu/thread_team.h"
 
 namespace marlin {
 namespace cpu {
@@ -38,13 +41,14 @@ struct PreparedInput {
 };
 
 // Linears that read the same input (q|k|v, gate|up, or one alone): x is prepared
-// once for all of them and their columns are split over the threads in one region.
+// once for all of them and their work is split over the threads in one phase.
 struct GemvGroup {
   std::vector<int> linears;        // indices into DecodeEngine::linears_
   const float* x = nullptr;        // input buffer [padded K]
   std::vector<int64_t> first_col;  // per member: its first column among the group's columns
   int64_t cols = 0;
   std::vector<PreparedInput> q8, xsum;  // per distinct group size needing them
+  bool same_k = true;  // every member has the same padded K and group size (K can be split)
 };
 
 class DecodeEngine : public torch::CustomClassHolder {
@@ -84,8 +88,13 @@ class DecodeEngine : public torch::CustomClassHolder {
   int64_t expected_out(const std::string& role) const;
   void check_ready() const;
   GemvGroup make_group(std::vector<int> members, const float* x);
-  void run_group(GemvGroup& g, bool int8);
-  void attention(int64_t layer);
+  // The token on thread t of n (the caller is 0), the others running it alongside
+  // on team_ and meeting it at sync().
+  void run_token(int t, int n, bool int8);
+  void sync(int n);
+  void prepare(GemvGroup& g, int t, int n, bool int8);  // thread t's share of x's int8 blocks / sums
+  void gemv(GemvGroup& g, int t, int n, bool int8);     // thread t's share of the columns
+  void attention(int64_t layer, int t, int n);          // thread t's share of the KV heads
 
   int64_t hidden_, intermediate_, layers_, heads_, kv_heads_, head_dim_, vocab_, max_length_;
   float eps_;
@@ -103,9 +112,14 @@ class DecodeEngine : public torch::CustomClassHolder {
   std::vector<float> h_, x_attn_, x_o_, x_mlp_, x_down_, x_head_, q_, k_, v_, o_, gate_, up_, down_;
   std::vector<float> cache_;   // [layers][2 (k, v)][kv_heads][max_length][head_dim]
   std::vector<float> scores_;  // [heads][max_length]
-  // The GEMVs' per-column sums (GemmArgs::scratch): a thread's item of columns c0:c1
-  // uses 2 * kGemvScratchRows * c0 on, never another item's part (allocated once).
+  std::vector<float> cos_, sin_;  // RoPE at the current position [head_dim / 2]
+  // The GEMVs' per-column sums (GemmArgs::scratch), gemv_scratch_floats(widest_)
+  // per thread (allocated when the thread count changes).
   std::vector<float> scratch_;
+  std::vector<float> partial_;  // K split: per thread, its partial sums of a group's columns [widest_]
+  int64_t widest_ = 0;          // columns of the widest group
+  std::unique_ptr<ThreadTeam> team_;  // at::get_num_threads() - 1 workers, made at the first step that needs them
+  std::mutex step_mutex_;             // one step at a time: the buffers are shared
 };
 
 }  // namespace cpu
