@@ -290,7 +290,7 @@ def test_tcq_is_not_the_grid():
     t = encode(codes.numpy(), chunk_k, 12, 256)
     scales = torch.full((1, n), 0.01).half()
     x = torch.randn(3, k)
-    grid = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, weight_format, k, chunk_k, 12, -1)
+    grid = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "grid", k, chunk_k, 12, -1)
     tcq = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, "tcq", k, chunk_k, 12, -1)
     assert_close_to_reference(tcq, x, dequantize_codes(codes, scales, None, "tcq", k, chunk_k))
     assert (tcq - grid).abs().max() > 0.1
