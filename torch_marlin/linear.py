@@ -177,8 +177,8 @@ class MarlinLinear(QuantizedModule):
                 raise ValueError("linear.weight is on the meta device (not loaded); cannot quantize it")
             weight = linear_weight(linear.weight.detach(), is_conv1d(linear))
             method = "rtn" if method == "mse" else method
-            kind = value_kind(weight_format, group_size, method)
-            coded = grid_weight(weight, bits, method, hessian, **options, kind=kind)
+            coded = grid_weight(weight, bits, value_kind(weight_format, group_size, method), method, hessian,
+                                **options)
             module = cls.from_quantized(coded, None if linear.bias is None else linear.bias.detach().cpu())
             module.quantization_error = coded.relative_error
             return module.to(linear.weight.device)

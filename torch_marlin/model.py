@@ -157,8 +157,9 @@ def quantize_model(model: nn.Module, weight_format: str = "fp4", group_size: int
     layer on a uniform grid, rate-allocated so that the coded weights average at most
     `bits` bits per weight, every byte counted; method "rtn" (default) or "gptq" with
     `calibration`. weight_format "tcq" (the trellis-coded grid, the default of "rtn") or
-    "grid" (the scalar grid, the one of "gptq"), group_size -1, chooses the value kind. entropy_code=True codes the dense result (weight_format, group_size,
-    method as without it) losslessly instead. Neither codes expert stacks (refused)."""
+    "grid" (the scalar grid, the one of "gptq"), group_size -1, chooses the value kind.
+    entropy_code=True codes the dense result (weight_format, group_size, method as
+    without it) losslessly instead. Neither codes expert stacks (refused)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if bits is not None or entropy_code:

@@ -13,9 +13,8 @@ from torch import nn
 from . import rans
 from .calibration import output_error, quantize_sequentially
 from .float_linear import is_conv1d, linear_weight
-from .layouts.rans import RansQuantizedWeight
+from .layouts.rans import GRID, RansQuantizedWeight
 from .linear import MarlinLinear, PermutedInputMarlinLinear
-from .layouts.rans import GRID
 from .rans_quantize import (RATE_AWARE, ROW_POWER, WEIGHTING, fit_layer, gptq_grid, plan, quantize_grid,
                             round_to_nearest)
 

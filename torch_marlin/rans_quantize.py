@@ -562,18 +562,17 @@ def value_kind(weight_format: str, group_size: int, method: str) -> str:
     return weight_format
 
 
-def grid_weight(weight: torch.Tensor, bits: float, method: str = "rtn", hessian: Optional[torch.Tensor] = None,
-                act_order: bool = False, damp: float = 0.01, block_size: int = 128,
-                prob_bits: int = rans.DEFAULT_PROB_BITS, chunk_k: Optional[int] = None,
-                kind: Optional[str] = None) -> RansQuantizedWeight:
+def grid_weight(weight: torch.Tensor, bits: float, kind: str, method: str = "rtn",
+                hessian: Optional[torch.Tensor] = None, act_order: bool = False, damp: float = 0.01,
+                block_size: int = 128, prob_bits: int = rans.DEFAULT_PROB_BITS,
+                chunk_k: Optional[int] = None) -> RansQuantizedWeight:
     """One float weight [N, K] on the grid at `bits` per weight (every byte of the coded
     weight counted), round to nearest or GPTQ (`hessian`): MarlinLinear.from_linear(bits=...).
-    kind: "grid" or "tcq" (default: tcq for round to nearest, the grid for GPTQ; value_kind)."""
+    kind: "grid" or "tcq", as value_kind chose it for the method."""
     if method not in ("rtn", "mse", "gptq"):
         raise ValueError(f"method must be 'rtn' (round to nearest) or 'gptq' with bits=, got {method!r}")
     if (method == "gptq") != (hessian is not None):
         raise ValueError("method='gptq' and hessian=H (mean(x x^T) of the layer's inputs) go together")
-    kind = value_kind(*(("fp4", 128) if kind is None else (kind, -1)), method)
     p = plan({"layer": weight}, bits, prob_bits, chunk_k)
     if hessian is None:
         return round_to_nearest(p, "layer", kind)

@@ -93,7 +93,7 @@ class DecodeEngine : public torch::CustomClassHolder {
   void run_token(int t, int n, bool int8);
   void sync(int n);
   void prepare(GemvGroup& g, int t, int n, bool int8);  // thread t's share of x's int8 blocks / sums
-  void gemv(GemvGroup& g, int t, int n, bool int8);     // thread t's share of the columns
+  void gemv(GemvGroup& g, int t, int n, bool int8);     // thread t's share of its K rows or columns
   void attention(int64_t layer, int t, int n);          // thread t's share of the KV heads
 
   int64_t hidden_, intermediate_, layers_, heads_, kv_heads_, head_dim_, vocab_, max_length_;
