@@ -237,6 +237,57 @@ def test_gemm_matches_float64_reference(weight_format, dtype):
         assert_close_to_reference(y.view(-1, n), x.view(-1, k), b64, bias)
 
 
+def tail_freqs(core, tail, prob_bits):
+    """Grid freqs: `core` Gaussian symbols with `tail` symbols of frequency 1 on each side."""
+    f = np.zeros(256, np.int64)
+    c0 = (256 - core) // 2
+    f[c0 - tail:c0] = f[c0 + core:c0 + core + tail] = 1
+    w = np.exp(-0.5 * ((np.arange(core) - (core - 1) / 2) / (core / 5)) ** 2)
+    f[c0:c0 + core] = np.maximum(1, np.floor(w / w.sum() * ((1 << prob_bits) - 2 * tail)))
+    f[c0 + core // 2] += (1 << prob_bits) - f.sum()
+    return f
+
+
+def one_tail_freqs():
+    f = np.zeros(256, np.int64)
+    f[100:104] = 2048
+    f[104:144] = 1
+    f[101] -= 40
+    return f
+
+
+# Tables that take each variant of the AVX-512 builds' lookup in registers
+# (rans_kernel_args.h; tests/cpu_kernels/check_rans_kernels.cpp checks the
+# variants of many more): (prob_bits, freqs, what it takes).
+LOOKUP_TABLES = [
+    (12, tail_freqs(24, 20, 12), "64 symbols (the most), 2 halvings, split buckets of 16"),
+    (12, tail_freqs(30, 18, 12), "66 symbols: the slot table"),
+    (13, tail_freqs(30, 12, 13), "2 halvings, split buckets of 32"),
+    (10, tail_freqs(12, 2, 10), "the fewest prob_bits: 1 halving, split buckets of 16"),
+    (15, tail_freqs(20, 3, 15), "the most prob_bits: 2 halvings, split buckets of 16"),
+    (13, one_tail_freqs(), "1 halving, one split bucket of 64"),
+    (12, np.array([0] * 100 + [1024] * 4 + [0] * 152), "no search: one symbol per bucket"),
+]
+
+
+@pytest.mark.parametrize("prob_bits, freqs, what", LOOKUP_TABLES, ids=[t[2] for t in LOOKUP_TABLES])
+def test_every_symbol_lookup_decodes(prob_bits, freqs, what):
+    """Symbols drawn evenly among those of the table (rare ones as often as the rest),
+    through decode, the fused GEMV (M = 1, 5) and the tile GEMM (M = 32), grid and tcq."""
+    k, n, chunk_k = 256, 70, 128
+    used = np.flatnonzero(freqs)
+    codes = torch.from_numpy(used[np.random.default_rng(0).integers(0, len(used), (k, n))])
+    t = encode(codes.numpy(), chunk_k, prob_bits, 256, freqs)
+    assert torch.equal(torch.ops.marlin.rans_decode(*t, k, n, chunk_k, prob_bits), codes.to(torch.uint8))
+    scales = (torch.rand(1, n) * 0.002 + 0.0001).half()
+    for weight_format in ("grid", "tcq"):
+        b64 = dequantize_codes(codes, scales, None, weight_format, k, chunk_k)
+        for m in (1, 5, 32):
+            x = torch.randn(m, k).to(torch.bfloat16)
+            y = torch.ops.marlin.rans_gemm(x, *t, scales, None, None, weight_format, k, chunk_k, prob_bits, k)
+            assert_close_to_reference(y, x, b64)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3, 8])
 @pytest.mark.parametrize("weight_format", ["grid", "tcq", "uint4"])
 def test_gemv_split_over_k_is_deterministic(weight_format, threads):
@@ -442,7 +493,8 @@ REFERENCE_TESTS = ["test_encoder_and_decoder_of_the_spec_agree", "test_decode_op
                    "test_lossless_gemm_equals_the_dense_op", "test_gemm_matches_float64_reference",
                    "test_gemv_split_over_k_is_deterministic", "test_tcq_gemm_of_random_symbols_matches_float64_reference",
                    "test_tcq_is_not_the_grid", "test_corrupted_streams_are_clear_errors",
-                   "test_swapped_freqs_are_a_clear_error", "test_decode_single_symbol_stream_has_no_words"]
+                   "test_swapped_freqs_are_a_clear_error", "test_decode_single_symbol_stream_has_no_words",
+                   "test_every_symbol_lookup_decodes"]
 
 
 def cpu_kernels():

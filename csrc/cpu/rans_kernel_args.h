@@ -53,55 +53,89 @@ inline int64_t rans_slot_table_size(int prob_bits) {
 }
 
 // The symbols of nonzero frequency in symbol (so cum) order, for the AVX-512
-// builds' lookup in registers: from the first symbol of the slot's bucket
-// (kRansBuckets buckets of equal width), a binary search of the slot among
-// the next 2^levels cums, then entry = s | freq << 16. symbols 0 (the slot
-// table serves): more than kRansRegisterSymbols of them, a search of more than
-// kRansMaxLevels halvings, or prob_bits outside [kRansBucketBits,
-// kRansPackedProbBits]. Unused entries have cum 2^16, above every slot.
-constexpr int kRansRegisterSymbols = 32;
+// builds' lookup in registers: 16-bit lanes, the 32 lanes of a chunk at once
+// (vpermi2w on tables of 64 words). The slot's top kRansBucketBits bits pick a
+// bucket, whose word is the index of its first slot's symbol; or, for a split
+// bucket (more symbols than a search of `levels` halvings covers), 64 + h 2^split_bits:
+// its next split_bits bits pick a sub-bucket, whose first symbol's index is
+// split[h 2^split_bits + sub]. From there a binary search of the slot among
+// the next 2^levels cums; unused entries have cum 0xFFFF, above every slot.
+// symbols 0 (the slot table serves): more than kRansRegisterSymbols of them,
+// or no split_bits in [kRansMinSplitBits, 6] that covers every bucket with
+// 2^(6 - split_bits) split buckets and kRansMaxLevels halvings.
+constexpr int kRansRegisterSymbols = 64;
 constexpr int kRansBucketBits = 6;
 constexpr int kRansBuckets = 1 << kRansBucketBits;
+constexpr int kRansMinSplitBits = 4;
 constexpr int kRansMaxLevels = 2;
 struct RansRegisterTable {
-  int symbols, levels;
-  uint32_t cum[kRansRegisterSymbols];
-  uint32_t entry[kRansRegisterSymbols];
-  uint16_t bucket_first[kRansBuckets];
+  int symbols, levels, split_bits;
+  uint16_t bucket[kRansBuckets];
+  uint16_t split[kRansRegisterSymbols];
+  uint16_t cum[kRansRegisterSymbols];
+  uint16_t freq[kRansRegisterSymbols];
+  uint16_t sym[kRansRegisterSymbols];
 };
 
 inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int symbols, int prob_bits) {
   RansRegisterTable t{};
-  if (prob_bits < kRansBucketBits || prob_bits > kRansPackedProbBits) return t;
-  for (int i = 0; i < kRansRegisterSymbols; ++i) t.cum[i] = 1u << 16;
+  if (prob_bits < kRansBucketBits + kRansMinSplitBits || prob_bits > 15) return t;  // slots in 16 bits
+  for (uint16_t& c : t.cum) c = 0xFFFF;
+  int count = 0;
   uint32_t cum = 0;
   for (int sym = 0; sym < symbols; ++sym) {
     if (!freqs[sym]) continue;
-    if (t.symbols == kRansRegisterSymbols) return RansRegisterTable{};
-    t.cum[t.symbols] = cum;
-    t.entry[t.symbols++] = uint32_t(sym) | uint32_t(freqs[sym]) << 16;
+    if (count == kRansRegisterSymbols) return RansRegisterTable{};
+    t.cum[count] = uint16_t(cum);
+    t.freq[count] = freqs[sym];
+    t.sym[count++] = uint16_t(sym);
     cum += freqs[sym];
   }
-  // The symbol index of each bucket's first and last slot: the search must span their difference.
-  auto index_of = [&](uint32_t slot) {
+  auto index_of = [&](uint32_t slot) {  // of the last cum at or below the slot
     int i = 0;
-    while (i + 1 < t.symbols && t.cum[i + 1] <= slot) ++i;
+    while (i + 1 < count && t.cum[i + 1] <= slot) ++i;
     return i;
   };
-  const int width = 1 << (prob_bits - kRansBucketBits);
-  int span = 1;
-  for (int b = 0; b < kRansBuckets; ++b) {
-    const int first = index_of(uint32_t(b * width)), last = index_of(uint32_t((b + 1) * width - 1));
-    t.bucket_first[b] = uint16_t(first);
-    if (last - first + 1 > span) span = last - first + 1;
+  const int bucket_bits = prob_bits - kRansBucketBits;
+  // The fewest levels (then split bits) whose search covers every bucket or, split, its sub-buckets.
+  for (int levels = 0; levels <= kRansMaxLevels; ++levels) {
+    const int reach = 1 << levels;
+    // The search must not run past entry 63: starting lower is as good, the cums being sorted.
+    auto start = [&](int first) {
+      return uint16_t(first < kRansRegisterSymbols - reach ? first : kRansRegisterSymbols - reach);
+    };
+    for (int split_bits = kRansMinSplitBits; split_bits <= 6 && split_bits <= bucket_bits; ++split_bits) {
+      const uint32_t width = 1u << bucket_bits, sub_width = width >> split_bits, subs = 1u << split_bits;
+      uint32_t splits = 0;
+      bool covered = true;
+      for (uint32_t b = 0; b < kRansBuckets && covered; ++b) {
+        const int first = index_of(b * width);
+        if (index_of((b + 1) * width - 1) - first < reach) {
+          t.bucket[b] = start(first);
+          continue;
+        }
+        if ((splits + 1) * subs > kRansRegisterSymbols) {
+          covered = false;
+          break;
+        }
+        t.bucket[b] = uint16_t(kRansRegisterSymbols + splits * subs);
+        for (uint32_t j = 0; j < subs; ++j) {
+          const uint32_t lo = b * width + j * sub_width;
+          const int sub_first = index_of(lo);
+          covered = covered && index_of(lo + sub_width - 1) - sub_first < reach;
+          t.split[splits * subs + j] = start(sub_first);
+        }
+        ++splits;
+      }
+      if (covered) {
+        t.symbols = count;
+        t.levels = levels;
+        t.split_bits = split_bits;
+        return t;
+      }
+    }
   }
-  while ((1 << t.levels) < span) ++t.levels;
-  // Longer searches (symbols of small frequencies next to each other) were slower than the gather.
-  if (t.levels > kRansMaxLevels) return RansRegisterTable{};
-  // The search must not run past entry 31: starting lower is as good, the cums being sorted.
-  for (uint16_t& first : t.bucket_first)
-    if (first + (1 << t.levels) > kRansRegisterSymbols) first = uint16_t(kRansRegisterSymbols - (1 << t.levels));
-  return t;
+  return RansRegisterTable{};
 }
 
 struct RansArgs {

@@ -17,6 +17,9 @@
 #include "cpu/rans_kernel_args.h"
 
 constexpr int kRansVectors = kRansBlockCols / kLanes;
+
+// The step's pieces, always inlined: a call keeps the lanes' states in memory.
+#define MARLIN_RANS_INLINE __attribute__((always_inline)) inline
 constexpr uint32_t kRansLow = 1u << 16;
 
 // tcq: the trellis state sigma = 2 high + low of each lane (docs/FORMAT.md),
@@ -81,7 +84,7 @@ constexpr Expand8Table kExpand8;
 
 // Words for the lanes of `need` (lane order) into x = (x << 16) | word; at
 // most kLanes words are read, all of them before d.end.
-inline vu rans_refill(RansLanes& d, vu x) {
+MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2
   typedef uint16_t vw __attribute__((vector_size(2 * kLanes)));
 #if MARLIN_KERNEL_AVX512
@@ -151,71 +154,91 @@ struct RansTable {
   const uint32_t* table;
   int prob_bits;
 #if MARLIN_KERNEL_AVX512
-  __m512i cum_low, cum_high, entry_low, entry_high, first_low, first_high;
-  int bucket_shift, first_half;
+  __m512i bucket[2], split[2], cum[2], freq[2], sym[2];  // each table's words 0-31, 32-63
+  __m512i sub_mask;
+  int bucket_shift, split_shift, levels;
+  bool has_split;
+  bool trivial = getenv("TRIVIAL") != nullptr;
 #endif
 
   explicit RansTable(const RansArgs& a) : table(a.table), prob_bits(a.prob_bits) {
 #if MARLIN_KERNEL_AVX512
     if constexpr (Lookup == kLookupRegisters) {
       const RansRegisterTable& r = a.registers;
-      cum_low = _mm512_loadu_si512(r.cum);
-      cum_high = _mm512_loadu_si512(r.cum + 16);
-      entry_low = _mm512_loadu_si512(r.entry);
-      entry_high = _mm512_loadu_si512(r.entry + 16);
-      first_low = _mm512_loadu_si512(r.bucket_first);
-      first_high = _mm512_loadu_si512(r.bucket_first + 32);
+      for (int h = 0; h < 2; ++h) {
+        bucket[h] = _mm512_loadu_si512(r.bucket + 32 * h);
+        split[h] = _mm512_loadu_si512(r.split + 32 * h);
+        cum[h] = _mm512_loadu_si512(r.cum + 32 * h);
+        freq[h] = _mm512_loadu_si512(r.freq + 32 * h);
+        sym[h] = _mm512_loadu_si512(r.sym + 32 * h);
+      }
       bucket_shift = a.prob_bits - kRansBucketBits;
-      first_half = (1 << r.levels) >> 1;
+      split_shift = bucket_shift - r.split_bits;
+      sub_mask = _mm512_set1_epi16(short((1 << r.split_bits) - 1));
+      levels = r.levels;
+      has_split = false;
+      for (uint16_t b : r.bucket) has_split |= b >= kRansRegisterSymbols;
     }
 #endif
   }
 
-  // Symbol, freq and slot - cum of each lane's slot.
-  void lookup(vu slot, vu& sym, vu& freq, vu& bias) const {
+  // Symbol, freq and slot - cum of each lane's slot, for the kRansVectors vectors of a chunk.
+  MARLIN_RANS_INLINE void lookup(const vu* slot, vu* sym_out, vu* freq_out, vu* bias_out) const {
 #if MARLIN_KERNEL_AVX512
     if constexpr (Lookup == kLookupRegisters) {
-      // The last cum at or below the slot, searched from its bucket's first
-      // symbol (vpermi2w on the 64 of them; the high word of each lane zeroed);
-      // the gathers this replaces were the decode's slowest part.
-      const __m512i s = (__m512i)slot;
-      __m512i index = _mm512_maskz_permutex2var_epi16(0x55555555u, first_low, (__m512i)(slot >> bucket_shift), first_high);
-      for (int half = first_half; half; half >>= 1) {
-        const __m512i try_index = _mm512_add_epi32(index, _mm512_set1_epi32(half));
-        const __m512i cum = _mm512_permutex2var_epi32(cum_low, try_index, cum_high);
-        index = _mm512_mask_mov_epi32(index, _mm512_cmpge_epu32_mask(s, cum), try_index);
+      static_assert(kRansVectors == 2, "the 32 lanes as the 16-bit words of one vector");
+      if (trivial) { for (int v = 0; v < 2; ++v) { freq_out[v] = vu{} + (1u << (prob_bits - 4)); bias_out[v] = slot[v] & ((1u << (prob_bits - 4)) - 1); sym_out[v] = (slot[v] >> (prob_bits - 4)) + 120; } return; }
+      // Word 2 l + v: slot of lane l of vector v (below 2^15). Then the last cum
+      // at or below the slot, searched from its (sub-)bucket's first symbol; the
+      // gathers this replaces were the decode's slowest part.
+      const __m512i s = _mm512_mask_blend_epi16(0xAAAAAAAAu, (__m512i)slot[0], (__m512i)(slot[1] << 16));
+      __m512i index = _mm512_permutex2var_epi16(bucket[0], _mm512_srli_epi16(s, bucket_shift), bucket[1]);
+      if (has_split) {  // (a branch taken the same way all call long)
+        const __mmask32 in_split = _mm512_test_epi16_mask(index, _mm512_set1_epi16(kRansRegisterSymbols));
+        const __m512i sub = _mm512_and_si512(_mm512_srli_epi16(s, split_shift), sub_mask);
+        index = _mm512_mask_add_epi16(index, in_split, index, sub);  // vpermi2w takes the low 6 bits of 64 + ...
+        index = _mm512_mask2_permutex2var_epi16(split[0], index, in_split, split[1]);
       }
-      const vu e = (vu)_mm512_permutex2var_epi32(entry_low, index, entry_high);
-      sym = e & 0xFFFF;
-      freq = e >> 16;
-      bias = slot - (vu)_mm512_permutex2var_epi32(cum_low, index, cum_high);
+      auto level = [&](short half) {
+        const __m512i try_index = _mm512_add_epi16(index, _mm512_set1_epi16(half));
+        const __m512i c = _mm512_permutex2var_epi16(cum[0], try_index, cum[1]);
+        index = _mm512_mask_mov_epi16(index, _mm512_cmpge_epu16_mask(s, c), try_index);
+      };
+      if (levels == 2) level(2);
+      if (levels >= 1) level(1);
+      const vu b = (vu)_mm512_sub_epi16(s, _mm512_permutex2var_epi16(cum[0], index, cum[1]));
+      const vu f = (vu)_mm512_permutex2var_epi16(freq[0], index, freq[1]);
+      const vu y = (vu)_mm512_permutex2var_epi16(sym[0], index, sym[1]);
+      sym_out[0] = y & 0xFFFF, sym_out[1] = y >> 16;
+      freq_out[0] = f & 0xFFFF, freq_out[1] = f >> 16;
+      bias_out[0] = b & 0xFFFF, bias_out[1] = b >> 16;
       return;
     }
 #endif
-    const vu e = rans_gather(table, slot);
-    if constexpr (Lookup == kLookupTwoTables) {
-      freq = e & 0xFFFF;
-      bias = e >> 16;
-      sym = rans_gather(table + (size_t(1) << prob_bits), slot);
-    } else {
-      sym = e & 0xFF;
-      bias = (e >> 8) & 0xFFF;
-      freq = (e >> 20) + 1;
+    for (int v = 0; v < kRansVectors; ++v) {
+      const vu e = rans_gather(table, slot[v]);
+      if constexpr (Lookup == kLookupTwoTables) {
+        freq_out[v] = e & 0xFFFF;
+        bias_out[v] = e >> 16;
+        sym_out[v] = rans_gather(table + (size_t(1) << prob_bits), slot[v]);
+      } else {
+        sym_out[v] = e & 0xFF;
+        bias_out[v] = (e >> 8) & 0xFFF;
+        freq_out[v] = (e >> 20) + 1;
+      }
     }
   }
 };
 
 // One step of every lane: sym[v] = the symbols of lanes v * kLanes ...
 template <int Lookup>
-inline void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
+MARLIN_RANS_INLINE void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
   const uint32_t mask = (1u << t.prob_bits) - 1;
+  vu slot[kRansVectors], freq[kRansVectors], bias[kRansVectors];
+  for (int v = 0; v < kRansVectors; ++v) slot[v] = d.x[v] & mask;
+  t.lookup(slot, sym, freq, bias);
 #pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
-  for (int v = 0; v < kRansVectors; ++v) {
-    const vu x = d.x[v];
-    vu freq, bias;
-    t.lookup(x & mask, sym[v], freq, bias);
-    d.x[v] = rans_refill(d, freq * (x >> t.prob_bits) + bias);
-  }
+  for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, freq[v] * (d.x[v] >> t.prob_bits) + bias[v]);
 }
 
 // tcq's level j = 2k - high sign(k) (high: bit 0 of the state's high vector).
@@ -264,7 +287,7 @@ inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t col
 // order, then group_dot), so the lossless results equal the dense op's bit for
 // bit. Dot: bf16 x as pairs, as the dense bf16 GEMV.
 
-constexpr int kRansGemvBlocks = 2;
+constexpr int kRansGemvBlocks = 4;
 constexpr int kRansGemvVectors = kRansGemvBlocks * kRansVectors;
 
 template <int Kind, int Lookup, bool Dot, int MR>
@@ -397,7 +420,7 @@ struct RansTileFill {
   // The decoded values of the tile's columns at the next K row k. The lanes
   // are the caller's local copy of d, indexed by constants only (every loop
   // over blocks unrolls), so that they live in registers.
-  void step(RansLanes* lanes, int64_t k, vf* values) {
+  MARLIN_RANS_INLINE void step(RansLanes* lanes, int64_t k, vf* values) {
     if (k == chunk_end) {
       const int64_t c = k / a.chunk_k;
       _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
@@ -530,3 +553,5 @@ uint32_t rans_decode_chunk_impl(const RansArgs& a, int64_t c, uint8_t* out, int6
 uint32_t rans_decode_chunk(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
   return with_rans_lookup(a, [&]<int Lookup>() { return rans_decode_chunk_impl<Lookup>(a, c, out, ldo, cols); });
 }
+
+#undef MARLIN_RANS_INLINE

@@ -14,6 +14,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -278,9 +279,60 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   }
 }
 
+// The AVX-512 builds' register table (rans_kernel_args.h) against the slot's
+// symbol by cums, for every slot of random tables: a scalar model of the
+// kernel's search (bucket, split bucket, binary search). Returns the tables'
+// (levels, split bits) seen, so that the caller can ask for each variant.
+std::vector<std::pair<int, int>> check_register_tables() {
+  std::vector<std::pair<int, int>> seen;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int prob_bits = 10 + trial % 6, symbols = 1 + int(next_u32() % 72), m = 1 << prob_bits;
+    // A few large frequencies among runs of tiny ones (the tails of quantized weights).
+    std::vector<uint16_t> freqs(256, 0);
+    const int offset = int(next_u32() % (256 - symbols + 1));
+    int total = 0;
+    for (int s = 0; s < symbols; ++s) {
+      const int f = next_u32() % 3 == 0 ? 1 + int(next_u32() % (m / 8)) : 1 + int(next_u32() % 3);
+      freqs[offset + s] = uint16_t(std::min(f, m - total - (symbols - 1 - s)));
+      total += freqs[offset + s];
+    }
+    freqs[offset + int(next_u32() % symbols)] += uint16_t(m - total);
+    const RansRegisterTable t = build_rans_register_table(freqs.data(), 256, prob_bits);
+    if (!t.symbols) {
+      seen.push_back({-1, 0});
+      if (symbols <= 16 && prob_bits <= 12) fail("no register table for " + std::to_string(symbols) + " symbols");
+      continue;
+    }
+    seen.push_back({t.levels, t.split_bits});
+    std::vector<int> cum(257, 0);
+    for (int s = 0; s < 256; ++s) cum[s + 1] = cum[s] + freqs[s];
+    const int bucket_shift = prob_bits - kRansBucketBits, split_shift = bucket_shift - t.split_bits;
+    for (int slot = 0; slot < m; ++slot) {
+      int index = t.bucket[slot >> bucket_shift];
+      if (index >= kRansRegisterSymbols) index = t.split[(index + ((slot >> split_shift) & ((1 << t.split_bits) - 1))) & 63];
+      for (int half = (1 << t.levels) >> 1; half; half >>= 1)
+        if (t.cum[index + half] <= slot) index += half;
+      const int s = t.sym[index];
+      if (!(cum[s] <= slot && slot < cum[s + 1] && t.cum[index] == cum[s] && t.freq[index] == freqs[s])) {
+        fail("register table: slot " + std::to_string(slot) + " of prob_bits " + std::to_string(prob_bits) +
+             " finds symbol " + std::to_string(s));
+        break;
+      }
+    }
+  }
+  return seen;
+}
+
 }  // namespace
 
 int main() {
+  {
+    const std::vector<std::pair<int, int>> seen = check_register_tables();
+    for (std::pair<int, int> variant : {std::pair<int, int>{-1, 0}, {0, 4}, {1, 4}, {2, 4}, {1, 5}, {2, 5}, {1, 6}, {2, 6}})
+      if (std::find(seen.begin(), seen.end(), variant) == seen.end())
+        fail("no random table had register lookup levels " + std::to_string(variant.first) + ", split bits " +
+             std::to_string(variant.second));
+  }
   std::vector<Case> cases;
   std::vector<int> kinds = {kRansGrid, kRansTcq};
   for (int f = 0; f < marlin::kNumWeightFormats; ++f) kinds.push_back(f);
