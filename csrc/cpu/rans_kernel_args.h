@@ -3,6 +3,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <bitset>
+
 #include "cpu/kernel_args.h"
 
 namespace marlin {
@@ -55,14 +57,16 @@ inline int64_t rans_slot_table_size(int prob_bits) {
 // The symbols of nonzero frequency in symbol (so cum) order, for the AVX-512
 // builds' lookup in registers: 16-bit lanes, the 32 lanes of a chunk at once
 // (vpermi2w on tables of 64 words). The slot's top kRansBucketBits bits pick a
-// bucket, whose word is the index of its first slot's symbol; or, for a split
-// bucket (more symbols than a search of `levels` halvings covers), 64 + h 2^split_bits:
-// its next split_bits bits pick a sub-bucket, whose first symbol's index is
-// split[h 2^split_bits + sub]. From there a binary search of the slot among
-// the next 2^levels cums; unused entries have cum 0xFFFF, above every slot.
-// symbols 0 (the slot table serves): more than kRansRegisterSymbols of them,
-// or no split_bits in [kRansMinSplitBits, 6] that covers every bucket with
-// 2^(6 - split_bits) split buckets and kRansMaxLevels halvings.
+// bucket, whose word is the index of its first slot's symbol; or 64 for a
+// split bucket (more symbols than a search of `levels` halvings covers), whose
+// sub-buckets (its next split_bits bits) have their first symbol's index in
+// split[(slot >> (prob_bits - 6 - split_bits)) & 63]: the split buckets must
+// differ in their bucket number's low 6 - split_bits bits (then both lookups
+// go in parallel). From there a binary search of the slot among the next
+// 2^levels cums; unused entries have cum 0xFFFF, above every slot. symbols 0
+// (the slot table serves): more than kRansRegisterSymbols of them, or no
+// split_bits in [kRansMinSplitBits, 6] that covers every bucket with
+// kRansMaxLevels halvings.
 constexpr int kRansRegisterSymbols = 64;
 constexpr int kRansBucketBits = 6;
 constexpr int kRansBuckets = 1 << kRansBucketBits;
@@ -106,7 +110,8 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
     };
     for (int split_bits = kRansMinSplitBits; split_bits <= 6 && split_bits <= bucket_bits; ++split_bits) {
       const uint32_t width = 1u << bucket_bits, sub_width = width >> split_bits, subs = 1u << split_bits;
-      uint32_t splits = 0;
+      const uint32_t places = kRansRegisterSymbols >> split_bits;  // split buckets at b % places
+      std::bitset<kRansRegisterSymbols> taken;
       bool covered = true;
       for (uint32_t b = 0; b < kRansBuckets && covered; ++b) {
         const int first = index_of(b * width);
@@ -114,18 +119,18 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
           t.bucket[b] = start(first);
           continue;
         }
-        if ((splits + 1) * subs > kRansRegisterSymbols) {
+        if (taken[b % places]) {
           covered = false;
           break;
         }
-        t.bucket[b] = uint16_t(kRansRegisterSymbols + splits * subs);
+        taken[b % places] = true;
+        t.bucket[b] = kRansRegisterSymbols;
         for (uint32_t j = 0; j < subs; ++j) {
           const uint32_t lo = b * width + j * sub_width;
           const int sub_first = index_of(lo);
           covered = covered && index_of(lo + sub_width - 1) - sub_first < reach;
-          t.split[splits * subs + j] = start(sub_first);
+          t.split[(b % places) * subs + j] = start(sub_first);
         }
-        ++splits;
       }
       if (covered) {
         t.symbols = count;

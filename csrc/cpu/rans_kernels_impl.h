@@ -155,7 +155,6 @@ struct RansTable {
   int prob_bits;
 #if MARLIN_KERNEL_AVX512
   __m512i bucket[2], split[2], cum[2], freq[2], sym[2];  // each table's words 0-31, 32-63
-  __m512i sub_mask;
   int bucket_shift, split_shift, levels;
   bool has_split;
   bool trivial = getenv("TRIVIAL") != nullptr;
@@ -174,7 +173,6 @@ struct RansTable {
       }
       bucket_shift = a.prob_bits - kRansBucketBits;
       split_shift = bucket_shift - r.split_bits;
-      sub_mask = _mm512_set1_epi16(short((1 << r.split_bits) - 1));
       levels = r.levels;
       has_split = false;
       for (uint16_t b : r.bucket) has_split |= b >= kRansRegisterSymbols;
@@ -194,10 +192,9 @@ struct RansTable {
       const __m512i s = _mm512_mask_blend_epi16(0xAAAAAAAAu, (__m512i)slot[0], (__m512i)(slot[1] << 16));
       __m512i index = _mm512_permutex2var_epi16(bucket[0], _mm512_srli_epi16(s, bucket_shift), bucket[1]);
       if (has_split) {  // (a branch taken the same way all call long)
-        const __mmask32 in_split = _mm512_test_epi16_mask(index, _mm512_set1_epi16(kRansRegisterSymbols));
-        const __m512i sub = _mm512_and_si512(_mm512_srli_epi16(s, split_shift), sub_mask);
-        index = _mm512_mask_add_epi16(index, in_split, index, sub);  // vpermi2w takes the low 6 bits of 64 + ...
-        index = _mm512_mask2_permutex2var_epi16(split[0], index, in_split, split[1]);
+        // (vpermi2w takes the low 6 bits of the index: rans_kernel_args.h's split[... & 63])
+        const __m512i sub = _mm512_permutex2var_epi16(split[0], _mm512_srli_epi16(s, split_shift), split[1]);
+        index = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(index, _mm512_set1_epi16(kRansRegisterSymbols)), index, sub);
       }
       auto level = [&](short half) {
         const __m512i try_index = _mm512_add_epi16(index, _mm512_set1_epi16(half));
