@@ -277,36 +277,40 @@ inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t col
 }
 
 // ---------------------------------------------------------------------------
-// Fused GEMV: kRansGemvBlocks column blocks decode in lockstep (independent
-// state chains, so that one chain's gather and multiply latency hides behind
-// the others'); each symbol is decoded once in registers and multiplied into
+// Fused GEMV: kRansGemvBlocks<Kind> column blocks decode in lockstep
+// (independent state chains, so that one chain's lookup and multiply latency
+// hides behind the others': on avx512 at M = 1, 4 blocks were 1.15-1.2x
+// faster than 2, except for tcq, whose trellis states need the registers;
+// on avx2, with 16 registers, 4 were no faster);
+// each symbol is decoded once in registers and multiplied into
 // MR rows. Per group the sums take the dense GEMV's order (x[k] * value in K
 // order, then group_dot), so the lossless results equal the dense op's bit for
 // bit. Dot: bf16 x as pairs, as the dense bf16 GEMV.
 
-constexpr int kRansGemvBlocks = 4;
-constexpr int kRansGemvVectors = kRansGemvBlocks * kRansVectors;
+template <int Kind>
+constexpr int kRansGemvBlocks = MARLIN_KERNEL_AVX512 && Kind != kRansTcq ? 4 : 2;
 
 template <int Kind, int Lookup, bool Dot, int MR>
 uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int blocks, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   constexpr int F = Kind;  // has_zeros / zeros_are_bias: false for the grid
-  constexpr int kCols = kRansGemvBlocks * kRansBlockCols;
+  constexpr int kBlocks = kRansGemvBlocks<Kind>, kVectors = kBlocks * kRansVectors;
+  constexpr int kCols = kBlocks * kRansBlockCols;
   const GemmArgs& g = a.gemm;
   const int64_t n0 = b0 * kRansBlockCols, cols = a.n - n0 < kCols ? a.n - n0 : kCols;
   // Rows past `rows` (up to MR) repeat the last one and are not stored.
   int64_t row[MR];
   for (int i = 0; i < MR; ++i) row[i] = m0 + (i < rows ? i : rows - 1);
   alignas(64) float scale[kCols], zero[kCols];
-  vf acc[MR][kRansGemvVectors], part[MR][kRansGemvVectors];
+  vf acc[MR][kVectors], part[MR][kVectors];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < kRansGemvVectors; ++v) acc[i][v] = part[i][v] = vf{};
+    for (int v = 0; v < kVectors; ++v) acc[i][v] = part[i][v] = vf{};
   const RansTable<Lookup> table(a);
   uint32_t bad = 0;
   int64_t loaded = -1;
   for (int64_t c = c0; c < c1; ++c) {
-    RansLanes d[kRansGemvBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
-    _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j)  // constant indices (here and below): d stays in registers
+    RansLanes d[kBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)  // constant indices (here and below): d stays in registers
       if (j < blocks) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
     const int64_t k_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
     for (int64_t k = c * a.chunk_k; k < k_end;) {
@@ -317,8 +321,8 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         loaded = group;
       }
       for (; k < seg_end; k += Dot ? 2 : 1) {
-        vf value[kRansGemvVectors];
-        _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
+        vf value[kVectors];
+        _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
           vu sym[kRansVectors];
           if (j < blocks) rans_step(d[j], table, sym);
           for (int v = 0; v < kRansVectors; ++v)
@@ -326,7 +330,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         }
 #if MARLIN_KERNEL_BF16_DOT
         if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
-          _Pragma("GCC unroll 4") for (int j = 0; j < kRansGemvBlocks; ++j) {
+          _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
             vu sym[kRansVectors];
             if (j < blocks) rans_step(d[j], table, sym);
             for (int v = 0; v < kRansVectors; ++v) {
@@ -337,20 +341,20 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
           }
           for (int i = 0; i < MR; ++i) {
             const vf xs = splat_bits(g.x_bf16 + row[i] * a.k + k);
-            for (int v = 0; v < kRansGemvVectors; ++v) part[i][v] = dot_pairs(part[i][v], value[v], xs);
+            for (int v = 0; v < kVectors; ++v) part[i][v] = dot_pairs(part[i][v], value[v], xs);
           }
           continue;
         }
 #endif
         for (int i = 0; i < MR; ++i) {
           const vf xs = splat(g.x[row[i] * a.k + k]);
-          for (int v = 0; v < kRansGemvVectors; ++v) part[i][v] = fmadd(xs, value[v], part[i][v]);
+          for (int v = 0; v < kVectors; ++v) part[i][v] = fmadd(xs, value[v], part[i][v]);
         }
       }
       if (seg_end == group_end || seg_end == a.k || c == c1 - 1) {  // the group (or this range's share) ends
         for (int i = 0; i < MR; ++i) {
           const vf xsum = kHasZeros<F> ? splat(g.xsum[row[i] * g.groups + group]) : vf{};
-          for (int v = 0; v < kRansGemvVectors; ++v) {
+          for (int v = 0; v < kVectors; ++v) {
             const vf z = kHasZeros<F> ? load(zero + v * kLanes) : vf{};
             acc[i][v] = group_dot<F>(acc[i][v], part[i][v], xsum, load(scale + v * kLanes), z);
             part[i][v] = vf{};
@@ -358,7 +362,7 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         }
       }
     }
-    for (int j = 0; j < kRansGemvBlocks; ++j)
+    for (int j = 0; j < kBlocks; ++j)
       if (j < blocks) bad |= rans_finish(d[j]);
   }
   for (int i = 0; i < rows; ++i)
@@ -372,8 +376,9 @@ template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   uint32_t bad = 0;
-  for (int64_t b = b0; b < b1; b += kRansGemvBlocks) {
-    const int blocks = int(b1 - b < kRansGemvBlocks ? b1 - b : kRansGemvBlocks);
+  constexpr int kBlocks = kRansGemvBlocks<Kind>;
+  for (int64_t b = b0; b < b1; b += kBlocks) {
+    const int blocks = int(b1 - b < kBlocks ? b1 - b : kBlocks);
     for (int64_t m = m0; m < m1; m += kMaxRows) {
       const int rows = int(m1 - m < kMaxRows ? m1 - m : kMaxRows);
       float* o = out + (m - m0) * ldo + (b - b0) * kRansBlockCols;
