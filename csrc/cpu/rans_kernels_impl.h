@@ -17,10 +17,10 @@
 #include "cpu/rans_kernel_args.h"
 
 constexpr int kRansVectors = kRansBlockCols / kLanes;
+constexpr uint32_t kRansLow = 1u << 16;
 
 // The step's pieces, always inlined: a call keeps the lanes' states in memory.
 #define MARLIN_RANS_INLINE __attribute__((always_inline)) inline
-constexpr uint32_t kRansLow = 1u << 16;
 
 // tcq: the trellis state sigma = 2 high + low of each lane (docs/FORMAT.md),
 // as two vectors of which only bit 0 counts: the next state is
@@ -157,7 +157,6 @@ struct RansTable {
   __m512i bucket[2], split[2], cum[2], freq[2], sym[2];  // each table's words 0-31, 32-63
   int bucket_shift, split_shift, levels;
   bool has_split;
-  bool trivial = getenv("TRIVIAL") != nullptr;
 #endif
 
   explicit RansTable(const RansArgs& a) : table(a.table), prob_bits(a.prob_bits) {
@@ -185,7 +184,6 @@ struct RansTable {
 #if MARLIN_KERNEL_AVX512
     if constexpr (Lookup == kLookupRegisters) {
       static_assert(kRansVectors == 2, "the 32 lanes as the 16-bit words of one vector");
-      if (trivial) { for (int v = 0; v < 2; ++v) { freq_out[v] = vu{} + (1u << (prob_bits - 4)); bias_out[v] = slot[v] & ((1u << (prob_bits - 4)) - 1); sym_out[v] = (slot[v] >> (prob_bits - 4)) + 120; } return; }
       // Word 2 l + v: slot of lane l of vector v (below 2^15). Then the last cum
       // at or below the slot, searched from its (sub-)bucket's first symbol; the
       // gathers this replaces were the decode's slowest part.
