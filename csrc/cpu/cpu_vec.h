@@ -244,7 +244,13 @@ inline vi dot4(vi acc, vi u, vi x) {
 #if MARLIN_KERNEL_AVX2 && !MARLIN_KERNEL_VNNI
 constexpr bool kDotInt16 = true;
 inline vi dot2_i16(vi u, vi x) { return (vi)_mm256_maddubs_epi16((__m256i)u, (__m256i)x); }
-inline vi add_i16(vi a, vi b) { return (vi)_mm256_add_epi16((__m256i)a, (__m256i)b); }
+inline vi add_i16(vi a, vi b) {
+  vi sum = (vi)_mm256_add_epi16((__m256i)a, (__m256i)b);
+  // Each sum stays where the caller put it: GCC otherwise regroups a block's adds
+  // after all of its vpmaddubsw and spills their results to the stack.
+  asm("" : "+x"(sum));
+  return sum;
+}
 inline vi widen_i16(vi s) { return (vi)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1)); }
 #else
 constexpr bool kDotInt16 = false;  // stubs for the discarded `if constexpr (kInt16)` branches

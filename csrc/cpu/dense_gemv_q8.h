@@ -69,6 +69,7 @@ struct DenseQ8 {
     constexpr bool kInt16 = kDotInt16 && kRows<F> > 0;
     constexpr int kChunk = kInt16 ? kRows<F> : kWordRows;
     static_assert(!kInt16 || 4 * kChunk * Q8Decode<F>::kMaxByte * 128 <= 32767, "int16 sums may overflow");
+#pragma GCC unroll 4
     for (int r0 = 0; r0 < kWordRows; r0 += kChunk) {
       vi sum[MR][NV] = {};
 #pragma GCC unroll 4
