@@ -237,21 +237,31 @@ inline vi dot4(vi acc, vi u, vi x) {
 #endif
 }
 
-// vpmaddubsw without its vpmaddwd (the avx2 build's dot4 without vpdpbusd): dot2_i16
+// vpmaddubsw without its vpmaddwd (the builds whose dot4 is the pair): dot2_i16
 // gives, per 16-bit half of each lane, u0 * x0 + u1 * x1 for its 2 bytes (u unsigned,
 // x signed) as int16, saturated; add_i16 adds such int16 sums, wrapping; widen_i16 adds
-// the two halves of each lane into an int32 (dot4 = acc + widen_i16(dot2_i16)).
-#if MARLIN_KERNEL_AVX2 && !MARLIN_KERNEL_VNNI
+// the two halves of each lane into an int32 (dot4 = acc + widen_i16(dot2_i16)). The
+// empty asm keeps each add where the caller put it: GCC otherwise regroups a block's
+// adds after all of its vpmaddubsw and spills their results to the stack.
+#if (MARLIN_KERNEL_AVX2 || MARLIN_KERNEL_AVX512) && !MARLIN_KERNEL_VNNI
 constexpr bool kDotInt16 = true;
+#if MARLIN_KERNEL_AVX512
+inline vi dot2_i16(vi u, vi x) { return (vi)_mm512_maddubs_epi16((__m512i)u, (__m512i)x); }
+inline vi add_i16(vi a, vi b) {
+  vi sum = (vi)_mm512_add_epi16((__m512i)a, (__m512i)b);
+  asm("" : "+v"(sum));
+  return sum;
+}
+inline vi widen_i16(vi s) { return (vi)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1)); }
+#else
 inline vi dot2_i16(vi u, vi x) { return (vi)_mm256_maddubs_epi16((__m256i)u, (__m256i)x); }
 inline vi add_i16(vi a, vi b) {
   vi sum = (vi)_mm256_add_epi16((__m256i)a, (__m256i)b);
-  // Each sum stays where the caller put it: GCC otherwise regroups a block's adds
-  // after all of its vpmaddubsw and spills their results to the stack.
   asm("" : "+x"(sum));
   return sum;
 }
 inline vi widen_i16(vi s) { return (vi)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1)); }
+#endif
 #else
 constexpr bool kDotInt16 = false;  // stubs for the discarded `if constexpr (kInt16)` branches
 inline vi dot2_i16(vi, vi) { return vi{}; }
