@@ -14,7 +14,7 @@ from torch_marlin import formats
 from torch_marlin.layouts import sparse24 as sp
 
 from test_ops import EPS, random_weight
-from test_sparse24 import _metadata_with, random_sparse
+from test_sparse24 import _metadata_with, random_mask, random_sparse
 
 BLOCK = 32
 # The formats whose values (times 1 or 2) are small integers; nf4 keeps the float path.
@@ -88,6 +88,27 @@ def test_int8_gemv_large_k_and_batch_dims(weight_format):
     y = torch.ops.marlin.gemm(x, packed, scales, zeros, None, weight_format, 128)
     assert y.shape == (2, 3, n)
     assert_int8_close(y.view(6, n), x.view(6, k), packed, scales, zeros, weight_format, 128)
+
+
+@pytest.mark.parametrize("weight_format", INT8_FORMATS)
+def test_int8_sums_at_their_largest(weight_format):
+    """Every code alike (each of the 16 in turn) and x of one sign, so each int8 x is +-127:
+    the largest sums of code bytes times x a block adds (vpmaddubsw sums them in int16,
+    cpu_vec.h int16_rows), dense and 2:4, one row and two, full vectors and a tail."""
+    k, n = 256, 40
+    g = torch.Generator().manual_seed(5)
+    for code in range(16):
+        codes = torch.full((k, n), code)
+        scales = (torch.rand(k // 32, n, generator=g) * 0.02 + 0.001).half()
+        zeros = (torch.rand(k // 32, n, generator=g) * 15).half() if formats.has_zeros(weight_format) else None
+        packed = tm.pack_codes(codes)
+        values, metadata = sp.pack_sparse(codes, random_mask(k, n, g))
+        sparse64 = sp.dequantize_sparse_reference(values, metadata, scales, zeros, weight_format, 32, torch.float64)
+        for x in (torch.ones(1, k), -torch.ones(1, k), torch.stack([torch.ones(k), -torch.ones(k)])):
+            y = torch.ops.marlin.gemm(x, packed, scales, zeros, None, weight_format, 32)
+            assert_int8_close(y, x, packed, scales, zeros, weight_format, 32)
+            y = torch.ops.marlin.sparse24_gemm(x, values, metadata, scales, zeros, None, weight_format, 32)
+            assert_int8_close_to(y, x, sparse64, scales, zeros, 32)
 
 
 @pytest.mark.parametrize("weight_format, group_size, m", [

@@ -195,7 +195,7 @@ REFERENCE_TESTS = ["test_gemm_matches_float64_reference", "test_gemm_large_k_and
                    "test_gemv_one_row_wide_ranges", "test_every_nibble_is_checked",
                    "test_gemm_large_k_batch_dims_and_empty", "test_int8_gemv_matches_reference",
                    "test_int8_gemv_large_k_and_batch_dims", "test_int8_sparse24_gemv_matches_reference",
-                   "test_int8_sparse24_large_k_and_batch_dims"]
+                   "test_int8_sparse24_large_k_and_batch_dims", "test_int8_sums_at_their_largest"]
 
 
 @pytest.mark.parametrize("build", list(cpu_kernels()["builds"]))

@@ -237,6 +237,66 @@ inline vi dot4(vi acc, vi u, vi x) {
 #endif
 }
 
+// vpmaddubsw without its vpmaddwd (the builds whose dot4 is the pair): dot2_i16
+// gives, per 16-bit half of each lane, u0 * x0 + u1 * x1 for its 2 bytes (u unsigned,
+// x signed) as int16, saturated; add_i16 adds such int16 sums, wrapping; widen_i16 adds
+// the two halves of each lane into an int32 (dot4 = acc + widen_i16(dot2_i16)). The
+// empty asm keeps each add where the caller put it: GCC otherwise regroups a block's
+// adds after all of its vpmaddubsw and spills their results to the stack.
+#if (MARLIN_KERNEL_AVX2 || MARLIN_KERNEL_AVX512) && !MARLIN_KERNEL_VNNI
+constexpr bool kDotInt16 = true;
+#if MARLIN_KERNEL_AVX512
+inline vi dot2_i16(vi u, vi x) { return (vi)_mm512_maddubs_epi16((__m512i)u, (__m512i)x); }
+inline vi add_i16(vi a, vi b) {
+  vi sum = (vi)_mm512_add_epi16((__m512i)a, (__m512i)b);
+  asm("" : "+v"(sum));
+  return sum;
+}
+inline vi widen_i16(vi s) { return (vi)_mm512_madd_epi16((__m512i)s, _mm512_set1_epi16(1)); }
+#else
+inline vi dot2_i16(vi u, vi x) { return (vi)_mm256_maddubs_epi16((__m256i)u, (__m256i)x); }
+inline vi add_i16(vi a, vi b) {
+  vi sum = (vi)_mm256_add_epi16((__m256i)a, (__m256i)b);
+  asm("" : "+x"(sum));
+  return sum;
+}
+inline vi widen_i16(vi s) { return (vi)_mm256_madd_epi16((__m256i)s, _mm256_set1_epi16(1)); }
+#endif
+#else
+constexpr bool kDotInt16 = false;  // stubs for the discarded `if constexpr (kInt16)` branches
+inline vi dot2_i16(vi, vi) { return vi{}; }
+inline vi add_i16(vi, vi) { return vi{}; }
+inline vi widen_i16(vi) { return vi{}; }
+#endif
+
+// A block's sum of dot products, several dot4 in a row: with kInt16 (kDotInt16 and
+// sums proven below 2^15: int16_rows) as int16 pair sums, one vpmaddwd for all of them
+// (dot_total), saving one per dot4; else dot4 into int32 lanes. Start from vi{}.
+template <bool kInt16>
+inline vi dot_add(vi acc, vi u, vi x) {
+  if constexpr (kInt16)
+    return add_i16(acc, dot2_i16(u, x));
+  else
+    return dot4(acc, u, x);
+}
+template <bool kInt16>
+inline vi dot_total(vi acc) {
+  if constexpr (kInt16)
+    return widen_i16(acc);
+  else
+    return acc;
+}
+
+// How many of n word rows may sum their dot_add in int16 (a divisor of n; 0: not one),
+// each row adding 2 per int16 lane (its lo and hi code bytes: 4 products) with
+// |u| <= max_u, |x| <= max_x: every partial sum stays within 4 * rows * max_u * max_x
+// <= 32767, no saturation in vpmaddubsw and no wrap in add_i16.
+constexpr int int16_rows(int n, int max_u, int max_x) {
+  int rows = n;
+  while (rows > 0 && (n % rows != 0 || 4 * rows * max_u * max_x > 32767)) --rows;
+  return rows;
+}
+
 // dot4 multiplies signed bytes on both sides (sdot); elsewhere u is unsigned.
 #if defined(__aarch64__) && MARLIN_KERNEL_DOTPROD
 constexpr bool kDot4Symmetric = true;

@@ -57,17 +57,32 @@ struct DenseQ8 {
   typedef GemmArgs Args;
   static const int32_t* metadata(const Args&) { return nullptr; }
 
+  // vpmaddubsw sums the int16 pair sums of kRows word rows before one vpmaddwd
+  // (int4 / uint4 / affine: the block's 4 rows; fp4: 2). Bounded for any int8 x
+  // (|x| <= 128; the quantizer's are within 127) times code bytes up to kMaxByte.
+  template <int F>
+  static constexpr int kRows = kDotInt16 ? int16_rows(kWordRows, Q8Decode<F>::kMaxByte, 128) : kWordRows;
+
   template <int F, int MR, int NV>
   static inline vu dots(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t*, vi (&s)[MR][NV],
                         vi (&)[MR][NV]) {
+    constexpr bool kInt16 = kDotInt16 && kRows<F> > 0;
+    constexpr int kChunk = kInt16 ? kRows<F> : kWordRows;
+    static_assert(!kInt16 || 4 * kChunk * Q8Decode<F>::kMaxByte * 128 <= 32767, "int16 sums may overflow");
 #pragma GCC unroll 4
-    for (int r = 0; r < kWordRows; ++r) {
-      vi lo[NV], hi[NV];
-      for (int v = 0; v < NV; ++v) q8_code_bytes<F>(load(w + r * ldw + kLanes * v), lo[v], hi[v]);
-      for (int i = 0; i < MR; ++i) {
-        const vi xe = splat_i(c.x[i * c.ldx + 2 * r]), xo = splat_i(c.x[i * c.ldx + 2 * r + 1]);
-        for (int v = 0; v < NV; ++v) s[i][v] = dot4(dot4(s[i][v], lo[v], xe), hi[v], xo);
+    for (int r0 = 0; r0 < kWordRows; r0 += kChunk) {
+      vi sum[MR][NV] = {};
+#pragma GCC unroll 4
+      for (int r = r0; r < r0 + kChunk; ++r) {
+        vi lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) q8_code_bytes<F>(load(w + r * ldw + kLanes * v), lo[v], hi[v]);
+        for (int i = 0; i < MR; ++i) {
+          const vi xe = splat_i(c.x[i * c.ldx + 2 * r]), xo = splat_i(c.x[i * c.ldx + 2 * r + 1]);
+          for (int v = 0; v < NV; ++v) sum[i][v] = dot_add<kInt16>(dot_add<kInt16>(sum[i][v], lo[v], xe), hi[v], xo);
+        }
       }
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < NV; ++v) s[i][v] += dot_total<kInt16>(sum[i][v]);
     }
     return vu{};
   }

@@ -197,6 +197,12 @@ struct Q8Decode {
     return true;
   }
   static constexpr bool kIdentity = identity();  // u is the code itself: no lookup
+  static constexpr int highest_byte() {
+    int high = 0;
+    for (int i = 0; i < 16; ++i) high = byte(i) > high ? byte(i) : high;
+    return high;
+  }
+  static constexpr int kMaxByte = highest_byte();  // int4, uint4, affine: 15; fp4: 24
   static_assert(!kApplies || !kZerosAreBias<F> || kOffset == 0, "a bias format's codes are their values");
 };
 

@@ -48,9 +48,15 @@ struct Sparse24Q8 {
   template <int F, int MR, int NV>
   static inline vu dots(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t* meta, vi (&s)[MR][NV],
                         vi (&t)[MR][NV]) {
+    using D = Q8Decode<F>;
     constexpr bool kSigned = !kHasZeros<F>, kBiased = kSigned && !kDot4Symmetric;
-    const vi ones = splat_i(0x01010101), offset = splat_i(Q8Decode<F>::kOffset * 0x01010101);
-    vi m[NV], value_sums[NV];
+    // vpmaddubsw: the block's int16 pair sums add up before one vpmaddwd (DenseQ8::kRows), bounded
+    // for x + 128 (up to 255) times signed values (|u - offset|), or code bytes times any int8 x.
+    constexpr int kMaxValue = D::kOffset > D::kMaxByte - D::kOffset ? D::kOffset : D::kMaxByte - D::kOffset;
+    constexpr bool kInt16 = kDotInt16 && int16_rows(kWordRows, kSigned ? 255 : D::kMaxByte,
+                                                    kSigned ? kMaxValue : 128) == kWordRows;
+    const vi ones = splat_i(0x01010101), offset = splat_i(D::kOffset * 0x01010101);
+    vi m[NV], value_sums[NV], ss[MR][NV] = {}, ts[MR][NV] = {};
     vu bad = {};
     for (int v = 0; v < NV; ++v) {
       m[v] = load(meta + kLanes * v);
@@ -65,7 +71,7 @@ struct Sparse24Q8 {
         if (kSigned) {
           lo[v] = sub_bytes(lo[v], offset);
           hi[v] = sub_bytes(hi[v], offset);
-          if (kBiased) value_sums[v] = dot4(dot4(value_sums[v], ones, lo[v]), ones, hi[v]);
+          if (kBiased) value_sums[v] = dot_add<kInt16>(dot_add<kInt16>(value_sums[v], ones, lo[v]), ones, hi[v]);
         }
         const vi h = (vi)((vu)m[v] >> (16 * r));
         lo_idx[v] = lo_index(h);
@@ -77,17 +83,21 @@ struct Sparse24Q8 {
         for (int v = 0; v < NV; ++v) {
           const vi x_lo = lookup_bytes(lo_idx[v], x), x_hi = lookup_bytes(hi_idx[v], x);
           if (kSigned) {
-            s[i][v] = dot4(dot4(s[i][v], x_lo, lo[v]), x_hi, hi[v]);
+            ss[i][v] = dot_add<kInt16>(dot_add<kInt16>(ss[i][v], x_lo, lo[v]), x_hi, hi[v]);
           } else {
-            s[i][v] = dot4(dot4(s[i][v], lo[v], x_lo), hi[v], x_hi);
-            t[i][v] = dot4(dot4(t[i][v], ones, x_lo), ones, x_hi);
+            ss[i][v] = dot_add<kInt16>(dot_add<kInt16>(ss[i][v], lo[v], x_lo), hi[v], x_hi);
+            ts[i][v] = dot_add<kInt16>(dot_add<kInt16>(ts[i][v], ones, x_lo), ones, x_hi);
           }
         }
       }
     }
-    if (kBiased)
-      for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < NV; ++v) s[i][v] -= value_sums[v] << 7;
+    for (int v = 0; v < NV; ++v) value_sums[v] = dot_total<kInt16>(value_sums[v]);
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) {
+        s[i][v] += dot_total<kInt16>(ss[i][v]);
+        if (!kSigned) t[i][v] += dot_total<kInt16>(ts[i][v]);
+        if (kBiased) s[i][v] -= value_sums[v] << 7;
+      }
     return bad;
   }
 };
