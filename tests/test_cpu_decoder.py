@@ -200,15 +200,21 @@ def test_logits_are_deterministic_for_each_thread_count(int8):
     """Each thread count gives the same bits every time (the work is split the same way
     each token), 1, 2 and 3 threads (more than the machine may have) agree closely (narrow
     GEMVs split K at several threads: partial sums added in another order), and changing
-    the count between steps makes a new team."""
-    decoder = CpuDecoder(_wide_model())
+    the count between steps makes a new team. With int8 x, a step where some x lies within
+    fp32 rounding of an int8 tie (as in test_int8_step_logits_equal_transformers_under_int8)
+    may round it the other way at another count: one int8 step of one value, which moved
+    this model's logits by 1% of the largest (the avx2 build at one thread, step 4)."""
+    model = _wide_model()
+    decoder = CpuDecoder(model)
     one = _steps_at(decoder, 1, int8)
+    ties = int8_reference(model, PROMPT[:4])[1] if int8 else [float("inf")] * 4
+    assert sum(tie <= 3e-5 for tie in ties) <= 1  # the tight bound holds for the other steps
     for threads in (2, 3, 2, 1):
         ours = _steps_at(decoder, threads, int8)
         again = _steps_at(decoder, threads, int8)
-        for o, a, ref in zip(ours, again, one):
+        for o, a, ref, tie in zip(ours, again, one, ties):
             assert torch.equal(o, a), threads
-            assert_close_logits(o, ref, 1e-5 if not int8 else 1e-3)
+            assert_close_logits(o, ref, 1e-5 if not int8 else 1e-3 if tie > 3e-5 else 2e-2)
 
 
 def test_engine_runs_from_other_threads_and_is_destroyed_cleanly():
