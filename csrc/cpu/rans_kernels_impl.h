@@ -83,7 +83,9 @@ constexpr Expand8Table kExpand8;
 #endif
 
 // Words for the lanes of `need` (lane order) into x = (x << 16) | word; at
-// most kLanes words are read, all of them before d.end.
+// most kLanes words are read, all of them before d.end (Checked: the caller
+// knows that kLanes words are left, so no branch).
+template <bool Checked = true>
 MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2
   typedef uint16_t vw __attribute__((vector_size(2 * kLanes)));
@@ -92,11 +94,11 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #else
   const unsigned need = __builtin_ia32_movmskps256((vf)((vi)(x >> 16) == 0));
 #endif
-  if (!need) return x;
+  if (Checked && !need) return x;
   int64_t count = __builtin_popcount(need);
   const int64_t left = d.end - d.ptr;
   vw words;
-  if (left >= kLanes) {
+  if (!Checked || left >= kLanes) {
     memcpy(&words, d.ptr, sizeof(words));
   } else {  // the chunk's last words: never read past them
     uint16_t tail[kLanes] = {};
@@ -235,6 +237,11 @@ struct RansTable {
 
 // Every lane's state update and refill, from its slot's freq and slot - cum.
 MARLIN_RANS_INLINE void rans_advance(RansLanes& d, int prob_bits, const vu* freq, const vu* bias) {
+  if (d.end - d.ptr >= kRansVectors * kLanes) {  // (nearly always)
+#pragma GCC unroll 8
+    for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill<false>(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
+    return;
+  }
 #pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
   for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
 }
