@@ -83,7 +83,9 @@ constexpr Expand8Table kExpand8;
 #endif
 
 // Words for the lanes of `need` (lane order) into x = (x << 16) | word; at
-// most kLanes words are read, all of them before d.end.
+// most kLanes words are read, all of them before d.end (Checked: the caller
+// knows that kLanes words are left, so no branch).
+template <bool Checked = true>
 MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2
   typedef uint16_t vw __attribute__((vector_size(2 * kLanes)));
@@ -92,11 +94,11 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #else
   const unsigned need = __builtin_ia32_movmskps256((vf)((vi)(x >> 16) == 0));
 #endif
-  if (!need) return x;
+  if (Checked && !need) return x;
   int64_t count = __builtin_popcount(need);
   const int64_t left = d.end - d.ptr;
   vw words;
-  if (left >= kLanes) {
+  if (!Checked || left >= kLanes) {
     memcpy(&words, d.ptr, sizeof(words));
   } else {  // the chunk's last words: never read past them
     uint16_t tail[kLanes] = {};
@@ -179,34 +181,42 @@ struct RansTable {
 #endif
   }
 
+#if MARLIN_KERNEL_AVX512
+  // Registers: each lane's index into the register tables (word 2 l + v: lane l
+  // of vector v), with freq and slot - cum of its slot.
+  MARLIN_RANS_INLINE __m512i lookup_index(const vu* slot, vu* freq_out, vu* bias_out) const {
+    static_assert(kRansVectors == 2, "the 32 lanes as the 16-bit words of one vector");
+    // Word 2 l + v: slot of lane l of vector v (below 2^15). Then the last cum
+    // at or below the slot, searched from its (sub-)bucket's first symbol; the
+    // gathers this replaces were the decode's slowest part.
+    const __m512i s = _mm512_mask_blend_epi16(0xAAAAAAAAu, (__m512i)slot[0], (__m512i)(slot[1] << 16));
+    __m512i index = _mm512_permutex2var_epi16(bucket[0], _mm512_srli_epi16(s, bucket_shift), bucket[1]);
+    if (has_split) {  // (a branch taken the same way all call long)
+      // (vpermi2w takes the low 6 bits of the index: rans_kernel_args.h's split[... & 63])
+      const __m512i sub = _mm512_permutex2var_epi16(split[0], _mm512_srli_epi16(s, split_shift), split[1]);
+      index = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(index, _mm512_set1_epi16(kRansRegisterSymbols)), index, sub);
+    }
+    auto level = [&](short half) {
+      const __m512i try_index = _mm512_add_epi16(index, _mm512_set1_epi16(half));
+      const __m512i c = _mm512_permutex2var_epi16(cum[0], try_index, cum[1]);
+      index = _mm512_mask_mov_epi16(index, _mm512_cmpge_epu16_mask(s, c), try_index);
+    };
+    if (levels == 2) level(2);
+    if (levels >= 1) level(1);
+    const vu b = (vu)_mm512_sub_epi16(s, _mm512_permutex2var_epi16(cum[0], index, cum[1]));
+    const vu f = (vu)_mm512_permutex2var_epi16(freq[0], index, freq[1]);
+    freq_out[0] = f & 0xFFFF, freq_out[1] = f >> 16;
+    bias_out[0] = b & 0xFFFF, bias_out[1] = b >> 16;
+    return index;
+  }
+#endif
+
   // Symbol, freq and slot - cum of each lane's slot, for the kRansVectors vectors of a chunk.
   MARLIN_RANS_INLINE void lookup(const vu* slot, vu* sym_out, vu* freq_out, vu* bias_out) const {
 #if MARLIN_KERNEL_AVX512
     if constexpr (Lookup == kLookupRegisters) {
-      static_assert(kRansVectors == 2, "the 32 lanes as the 16-bit words of one vector");
-      // Word 2 l + v: slot of lane l of vector v (below 2^15). Then the last cum
-      // at or below the slot, searched from its (sub-)bucket's first symbol; the
-      // gathers this replaces were the decode's slowest part.
-      const __m512i s = _mm512_mask_blend_epi16(0xAAAAAAAAu, (__m512i)slot[0], (__m512i)(slot[1] << 16));
-      __m512i index = _mm512_permutex2var_epi16(bucket[0], _mm512_srli_epi16(s, bucket_shift), bucket[1]);
-      if (has_split) {  // (a branch taken the same way all call long)
-        // (vpermi2w takes the low 6 bits of the index: rans_kernel_args.h's split[... & 63])
-        const __m512i sub = _mm512_permutex2var_epi16(split[0], _mm512_srli_epi16(s, split_shift), split[1]);
-        index = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(index, _mm512_set1_epi16(kRansRegisterSymbols)), index, sub);
-      }
-      auto level = [&](short half) {
-        const __m512i try_index = _mm512_add_epi16(index, _mm512_set1_epi16(half));
-        const __m512i c = _mm512_permutex2var_epi16(cum[0], try_index, cum[1]);
-        index = _mm512_mask_mov_epi16(index, _mm512_cmpge_epu16_mask(s, c), try_index);
-      };
-      if (levels == 2) level(2);
-      if (levels >= 1) level(1);
-      const vu b = (vu)_mm512_sub_epi16(s, _mm512_permutex2var_epi16(cum[0], index, cum[1]));
-      const vu f = (vu)_mm512_permutex2var_epi16(freq[0], index, freq[1]);
-      const vu y = (vu)_mm512_permutex2var_epi16(sym[0], index, sym[1]);
+      const vu y = (vu)_mm512_permutex2var_epi16(sym[0], lookup_index(slot, freq_out, bias_out), sym[1]);
       sym_out[0] = y & 0xFFFF, sym_out[1] = y >> 16;
-      freq_out[0] = f & 0xFFFF, freq_out[1] = f >> 16;
-      bias_out[0] = b & 0xFFFF, bias_out[1] = b >> 16;
       return;
     }
 #endif
@@ -225,6 +235,17 @@ struct RansTable {
   }
 };
 
+// Every lane's state update and refill, from its slot's freq and slot - cum.
+MARLIN_RANS_INLINE void rans_advance(RansLanes& d, int prob_bits, const vu* freq, const vu* bias) {
+  if (d.end - d.ptr >= kRansVectors * kLanes) {  // (nearly always)
+#pragma GCC unroll 8
+    for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill<false>(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
+    return;
+  }
+#pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
+  for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
+}
+
 // One step of every lane: sym[v] = the symbols of lanes v * kLanes ...
 template <int Lookup>
 MARLIN_RANS_INLINE void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* sym) {
@@ -232,9 +253,20 @@ MARLIN_RANS_INLINE void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* 
   vu slot[kRansVectors], freq[kRansVectors], bias[kRansVectors];
   for (int v = 0; v < kRansVectors; ++v) slot[v] = d.x[v] & mask;
   t.lookup(slot, sym, freq, bias);
-#pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
-  for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, freq[v] * (d.x[v] >> t.prob_bits) + bias[v]);
+  rans_advance(d, t.prob_bits, freq, bias);
 }
+
+#if MARLIN_KERNEL_AVX512
+// rans_step on the register tables, giving each lane's table index (lookup_index's words).
+MARLIN_RANS_INLINE __m512i rans_step_index(RansLanes& d, const RansTable<kLookupRegisters>& t) {
+  const uint32_t mask = (1u << t.prob_bits) - 1;
+  vu slot[kRansVectors], freq[kRansVectors], bias[kRansVectors];
+  for (int v = 0; v < kRansVectors; ++v) slot[v] = d.x[v] & mask;
+  const __m512i index = t.lookup_index(slot, freq, bias);
+  rans_advance(d, t.prob_bits, freq, bias);
+  return index;
+}
+#endif
 
 // tcq's level j = 2k - high sign(k) (high: bit 0 of the state's high vector).
 inline vi tcq_level(vi k, vu high) {
@@ -402,6 +434,10 @@ template <int Kind, int Lookup, bool Dot>
 struct RansTileFill {
   static constexpr int F = Kind;
   static constexpr int kBlocks = kTileCols / kRansBlockCols;
+  // AVX-512 register lookup of a value kind: each index's value as bf16 bits
+  // by one more vpermi2w, for the 32 lanes at once (instead of the symbol's
+  // split into two vectors, then its value and, for Dot, the bf16 pairing).
+  static constexpr bool kValueWords = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters && Kind != kRansTcq;
   const RansArgs& a;
   const RansTable<Lookup> table;
   int64_t nb;
@@ -410,26 +446,52 @@ struct RansTileFill {
   int64_t chunk_end = 0;  // K row where the current chunk ends
   int64_t group = -1;
   uint32_t bad = 0;
+  bool value_words = false;  // kValueWords, and (fp32 tiles) every value exact in bf16
   alignas(64) float scale[kTileCols], zero[kTileCols];
+#if MARLIN_KERNEL_AVX512
+  __m512i value_bits[2];  // words 0-31, 32-63: the high 16 bits of each index's fp32 value
+#endif
 
   RansTileFill(const RansArgs& args, int64_t nb_) : a(args), table(args), nb(nb_) {
     const int64_t b0 = nb / kRansBlockCols;
     blocks = int(a.blocks - b0 < kBlocks ? a.blocks - b0 : kBlocks);
+#if MARLIN_KERNEL_AVX512
+    if constexpr (kValueWords) {
+      alignas(64) uint16_t bits[kRansRegisterSymbols];
+      bool exact = true;
+      for (int i = 0; i < kRansRegisterSymbols; ++i) {
+        const int sym = a.registers.sym[i];
+        float value;  // rans_value's (table_nibble reads the code's low 4 bits)
+        if constexpr (Kind == kRansGrid) value = float(sym - 128);
+        else value = code_value<Kind>(sym & 15);
+        uint32_t u;
+        memcpy(&u, &value, sizeof(u));
+        bits[i] = uint16_t(u >> 16);  // Dot tiles take these bits, as the pairing of fp32 values did
+        exact &= (u & 0xFFFF) == 0;
+      }
+      for (int h = 0; h < 2; ++h) value_bits[h] = _mm512_loadu_si512(bits + 32 * h);
+      value_words = Dot || exact;
+    }
+#endif
+  }
+
+  // Chunk boundaries before K row k.
+  MARLIN_RANS_INLINE void start_row(RansLanes* lanes, int64_t k) {
+    if (k != chunk_end) return;
+    const int64_t c = k / a.chunk_k;
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
+      if (j >= blocks) continue;
+      if (c > 0) bad |= rans_finish(lanes[j]);
+      rans_start(a, (nb / kRansBlockCols + j) * a.kchunks + c, lanes[j]);
+    }
+    chunk_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
   }
 
   // The decoded values of the tile's columns at the next K row k. The lanes
   // are the caller's local copy of d, indexed by constants only (every loop
   // over blocks unrolls), so that they live in registers.
   MARLIN_RANS_INLINE void step(RansLanes* lanes, int64_t k, vf* values) {
-    if (k == chunk_end) {
-      const int64_t c = k / a.chunk_k;
-      _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
-        if (j >= blocks) continue;
-        if (c > 0) bad |= rans_finish(lanes[j]);
-        rans_start(a, (nb / kRansBlockCols + j) * a.kchunks + c, lanes[j]);
-      }
-      chunk_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
-    }
+    start_row(lanes, k);
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
       vu sym[kRansVectors];
       if (j < blocks) rans_step(lanes[j], table, sym);
@@ -437,6 +499,16 @@ struct RansTileFill {
         values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], lanes[j].trellis[v]) : vf{};
     }
   }
+
+#if MARLIN_KERNEL_AVX512
+  // kValueWords: the bf16 bits of each block's values at K row k (word 2 l + v: column 32 j + 16 v + l).
+  MARLIN_RANS_INLINE void step_words(RansLanes* lanes, int64_t k, __m512i* words) {
+    start_row(lanes, k);
+    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)
+      words[j] = j < blocks ? _mm512_permutex2var_epi16(value_bits[0], rans_step_index(lanes[j], table), value_bits[1])
+                            : _mm512_setzero_si512();
+  }
+#endif
 
   void operator()(int64_t k0, int64_t rows, float* tile) {
     const GemmArgs& g = a.gemm;
@@ -446,7 +518,33 @@ struct RansTileFill {
     vf values[kTileCols / kLanes];
     for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
       const int64_t k = k0 + r;
-      step(lanes, k, values);
+#if MARLIN_KERNEL_AVX512
+      if constexpr (kValueWords) {
+        if (value_words) {  // (the same way all call long)
+          __m512i first[kBlocks];
+          step_words(lanes, k, first);
+          if constexpr (Dot) {  // pair row r / 2: lane l of vector v = (value at k, value at k + 1)
+            __m512i second[kBlocks];
+            step_words(lanes, k + 1, second);
+            for (int j = 0; j < kBlocks; ++j) {
+              float* dst = tile + r / 2 * kTileCols + j * kRansBlockCols;
+              _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0xAAAAAAAAu, first[j], _mm512_slli_epi32(second[j], 16)));
+              _mm512_storeu_si512(dst + kLanes, _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(first[j], 16), second[j]));
+            }
+            continue;
+          }
+          for (int j = 0; j < kBlocks; ++j) {
+            values[j * kRansVectors] = (vf)_mm512_slli_epi32(first[j], 16);
+            values[j * kRansVectors + 1] = (vf)_mm512_and_si512(first[j], _mm512_set1_epi32(int(0xFFFF0000u)));
+          }
+        } else {
+          step(lanes, k, values);
+        }
+      } else
+#endif
+      {
+        step(lanes, k, values);
+      }
 #if MARLIN_KERNEL_BF16_DOT
       if constexpr (Dot) {  // pair row r / 2: K rows k, k + 1 (the scale is applied per group by gemm_tiles_dot)
         vf second[kTileCols / kLanes];
