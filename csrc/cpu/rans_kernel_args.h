@@ -74,6 +74,7 @@ constexpr int kRansMinSplitBits = 4;
 constexpr int kRansMaxLevels = 2;
 struct RansRegisterTable {
   int symbols, levels, split_bits;
+  bool has_split;  // some bucket is split (its word is kRansRegisterSymbols)
   uint16_t bucket[kRansBuckets];
   uint16_t split[kRansRegisterSymbols];
   uint16_t cum[kRansRegisterSymbols];
@@ -136,6 +137,7 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
         t.symbols = count;
         t.levels = levels;
         t.split_bits = split_bits;
+        t.has_split = taken.any();
         return t;
       }
     }

@@ -175,8 +175,7 @@ struct RansTable {
       bucket_shift = a.prob_bits - kRansBucketBits;
       split_shift = bucket_shift - r.split_bits;
       levels = r.levels;
-      has_split = false;
-      for (uint16_t b : r.bucket) has_split |= b >= kRansRegisterSymbols;
+      has_split = r.has_split;
     }
 #endif
   }

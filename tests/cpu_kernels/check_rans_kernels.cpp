@@ -303,6 +303,9 @@ std::vector<std::pair<int, int>> check_register_tables() {
       continue;
     }
     seen.push_back({t.levels, t.split_bits});
+    bool split = false;  // the kernels skip the split table without has_split
+    for (uint16_t b : t.bucket) split |= b >= kRansRegisterSymbols;
+    if (split != t.has_split) fail("register table: has_split " + std::to_string(t.has_split) + " with split " + std::to_string(split));
     std::vector<int> cum(257, 0);
     for (int s = 0; s < 256; ++s) cum[s + 1] = cum[s] + freqs[s];
     const int bucket_shift = prob_bits - kRansBucketBits, split_shift = bucket_shift - t.split_bits;
