@@ -67,8 +67,9 @@ def assert_int8_close_to(y, x, b64, scales, zeros, group_size, bias=None):
 @pytest.mark.parametrize("group_size", [32, 64, 128, -1])
 @pytest.mark.parametrize("weight_format", INT8_FORMATS)
 def test_int8_gemv_matches_reference(weight_format, group_size, dtype):
-    for m, n, k in [(1, 64, 512), (1, 1100, 256), (2, 7, 256), (3, 200, 512), (4, 130, 256), (5, 33, 256),
-                    (8, 96, 768)]:
+    # (1, 4160, 256): one row wider than kPrefetchNextBlockCols (dense_gemv_q8.h)
+    for m, n, k in [(1, 64, 512), (1, 1100, 256), (1, 4160, 256), (2, 7, 256), (3, 200, 512), (4, 130, 256),
+                    (5, 33, 256), (8, 96, 768)]:
         if group_size > 0 and k % group_size:
             continue
         packed, scales, zeros = random_weight(k, n, weight_format, group_size)
@@ -171,7 +172,8 @@ def test_int8_expert_stacks(weight_format):
 def test_int8_sparse24_gemv_matches_reference(weight_format, group_size, dtype):
     """The 2:4 GEMV on int8 x: row blocks, column tails, one row over wide ranges, both metadata halves."""
     g = torch.Generator().manual_seed(3)
-    for m, n, k in [(1, 64, 512), (1, 1100, 256), (2, 7, 256), (3, 200, 512), (4, 130, 256), (5, 33, 256),
+    # (1, 4160, 256): one row wider than kPrefetchNextBlockCols (dense_gemv_q8.h)
+    for m, n, k in [(1, 64, 512), (1, 1100, 256), (1, 4160, 256), (2, 7, 256), (3, 200, 512), (4, 130, 256), (5, 33, 256),
                     (8, 96, 768)]:
         if group_size > 0 and k % group_size:
             continue

@@ -141,6 +141,23 @@ inline void fp16_to_float(float* dst, const uint16_t* src, int64_t count) {
 
 // --- vectors ------------------------------------------------------------------------------
 
+// kLanes floats from kLanes fp16 values (exact).
+inline vf load_halves(const uint16_t* p) {
+#if MARLIN_KERNEL_AVX512 && MARLIN_VECTOR_BYTES == 64
+  __m256i h;
+  memcpy(&h, p, sizeof(h));
+  return (vf)_mm512_cvtph_ps(h);
+#elif MARLIN_KERNEL_F16C && MARLIN_VECTOR_BYTES == 32
+  v8h h;
+  memcpy(&h, p, sizeof(h));
+  return __builtin_ia32_vcvtph2ps256(h);
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = fp16_value(p[i]);
+  return v;
+#endif
+}
+
 inline vf load(const float* p) {
   vf v;
   memcpy(&v, p, sizeof(v));

@@ -51,8 +51,11 @@ void check_float_tensor(const std::string& module, const at::Tensor& t, std::vec
 #define MARLIN_SEPARATE_ROUNDING
 #endif
 
-// sum a[i] * b[i], in 16 partial sums (vectors) instead of one chain.
-MARLIN_CLONES float dot(const float* a, const float* b, int64_t n) {
+// sum a[i] * b[i], in 16 partial sums (vectors) instead of one chain. Inline, not
+// a clone of its own: attention calls it per cached position (an indirect call
+// through the clone's resolver each time), and in its callers' clones it is
+// compiled for their target.
+inline float dot(const float* a, const float* b, int64_t n) {
   float part[16] = {};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -64,7 +67,7 @@ MARLIN_CLONES float dot(const float* a, const float* b, int64_t n) {
 }
 
 // out = weight * (x / rms(x)), as transformers' LlamaRMSNorm in float32.
-MARLIN_CLONES void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
+MARLIN_CLONES MARLIN_FLATTEN void rms_norm(const float* x, const float* weight, int64_t n, float eps, float* out) {
   const float inv = 1.f / std::sqrt(float(double(dot(x, x, n)) / double(n)) + eps);
   for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
@@ -102,7 +105,7 @@ void quantize_row_q8(const float* x, int64_t k, int64_t group_rows, int32_t* q8_
 }
 
 // One head's attention over `len` cached positions: scores in s, output in out.
-MARLIN_CLONES void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t head_dim,
+MARLIN_CLONES MARLIN_FLATTEN void attend(const float* q, const float* keys, const float* values, int64_t len, int64_t head_dim,
                           float scale, float* s, float* out) {
   float top = -INFINITY;
   for (int64_t t = 0; t < len; ++t) {

@@ -9,9 +9,12 @@
 //   out += scale / kDivisor * (part - c * X_g)   (c: kOffset, or uint4's zero)
 //   out += scale * part + bias * X_g             (affine)
 // The weights are read in memory order, one block of 4 word rows (4 streams)
-// across the call's whole column range, with the per-column sums in memory. No
-// software prefetch: the hardware's follows 4 streams, and fetching 2 KiB ahead
-// in each was measured 3-6% slower (Zen 5, 8192 x 8192 int4 g32, one thread).
+// across the call's whole column range, with the per-column sums in memory; the
+// group's fp16 scales (and zeros) are read in the same pass, as a fifth stream
+// (converting a group's row into a float buffer first was a second pass that cost
+// a fifth of the speed from DRAM). Software prefetch only where the streams are
+// short (see kPrefetchNextBlockCols); fetching 2 KiB ahead within long streams
+// was measured 3-6% slower (Zen 5, 8192 x 8192 int4 g32, one thread).
 // The 2:4 layout's int8 GEMV (cpu/sparse24_gemv_q8.h) is the same loop on
 // another layout (Q8Layout: how a block's int32 sums come about).
 #pragma once
@@ -33,7 +36,6 @@ struct Q8Step {
   int64_t lddx;          // = K / 32
   const float* gsum;     // X_g of the first row
   int64_t ldgsum;        // = groups
-  const float *scale, *zero;
   float *part, *xpart, *acc;  // [rows][ld] per-column sums (xpart: KeptSums layouts with zeros)
   int64_t ld;
   bool first, last;      // the block starts / ends its group
@@ -88,10 +90,19 @@ struct DenseQ8 {
   }
 };
 
-// Columns [col, col + kLanes * NV) of the sums, from words w (word row stride ldw)
-// and metadata meta (the layout's).
+// A block row of at most this many columns is a short stream for the hardware
+// prefetcher (16 KiB of words), which would start each of the next block's rows
+// cold: q8_rows fetches them into L2 while it reads the block. Zen 5, int4 g32
+// from DRAM, one thread: 2048 x 8192 (N x K) 17.2-17.8 -> 19.7-20.1 GB/s, 512 x 2048
+// 9.9 -> 15.5-15.7, 4096 x 4096 17.3-18.2 -> 19.2-19.4; 8192 x 2048 19.2-19.4 -> 18.7-18.9
+// (long rows: no gain, so none there).
+constexpr int64_t kPrefetchNextBlockCols = 4096;
+
+// Columns [col, col + kLanes * NV) of the sums, from words w (word row stride ldw),
+// metadata meta (the layout's) and the group's fp16 scale and zero at that column.
 template <int F, int MR, int NV, class L>
-inline vu q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t* meta, int64_t col) {
+inline vu q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t* meta, const uint16_t* scale_h,
+                   const uint16_t* zero_h, int64_t col) {
   using D = Q8Decode<F>;
   constexpr bool kKeptXSum = L::kKeptSums && kHasZeros<F>;  // float sums of the kept x between blocks
   vi s[MR][NV], t[MR][NV];
@@ -113,9 +124,9 @@ inline vu q8_micro(const Q8Step& c, const int32_t* w, int64_t ldw, const int32_t
         if (kKeptXSum) store(c.xpart + o, xp);
         continue;
       }
-      const vf x_sum = kKeptXSum ? xp : splat(c.gsum[i * c.ldgsum]), scale = load(c.scale + col + kLanes * v);
+      const vf x_sum = kKeptXSum ? xp : splat(c.gsum[i * c.ldgsum]), scale = load_halves(scale_h + kLanes * v);
       constexpr int offset = L::kKeptSums ? 0 : D::kOffset;
-      const vf zero = kHasZeros<F> ? load(c.zero + col + kLanes * v) : splat(float(offset));
+      const vf zero = kHasZeros<F> ? load_halves(zero_h + kLanes * v) : splat(float(offset));
       if constexpr (kZerosAreBias<F>) {
         store(c.acc + o, fmadd(scale, p, fmadd(zero, x_sum, load(c.acc + o))));
         continue;
@@ -134,17 +145,17 @@ vu q8_rows(const typename L::Args& a, int64_t m0, int64_t n0, int64_t n1, float*
   constexpr int NV = L::template kVectors<MR>, kCols = kLanes * NV;
   const int64_t cols = n1 - n0, padded = (cols + kCols - 1) / kCols * kCols;
   const int64_t blocks = a.k / kQ8Block, group_blocks = a.group_rows / kQ8Block;
-  float *part = buffers, *xpart = part + MR * padded, *acc = xpart + MR * padded, *scale = acc + MR * padded,
-        *zero = scale + padded;
+  const bool direct = MR == 1 && padded == cols;  // one row without a tail: its sums go straight into out
+  float *part = buffers, *xpart = part + MR * padded, *acc = direct ? a.out + m0 * a.n + n0 : xpart + MR * padded;
   memset(acc, 0, MR * padded * sizeof(float));
   alignas(64) int32_t tail[L::kWordRows * kCols], tail_meta[kCols];
+  alignas(64) uint16_t tail_scale[kCols] = {}, tail_zero[kCols] = {};
+  const bool prefetch_next_block = cols <= kPrefetchNextBlockCols;
   const int32_t* metadata = L::metadata(a);
   Q8Step c;
   c.ldx = a.k / 4;
   c.lddx = blocks;
   c.ldgsum = a.groups;
-  c.scale = scale;
-  c.zero = zero;
   c.part = part;
   c.xpart = xpart;
   c.acc = acc;
@@ -157,23 +168,30 @@ vu q8_rows(const typename L::Args& a, int64_t m0, int64_t n0, int64_t n1, float*
     c.x = a.q8_x + m0 * c.ldx + 8 * b;
     c.dx = a.q8_scale + m0 * blocks + b;
     c.gsum = L::kKeptSums ? nullptr : a.q8_gsum + m0 * a.groups + g;
-    if (c.last) {
-      copy_halves(scale, a.scales + g * a.n + n0, cols, int(padded));
-      if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + n0, cols, int(padded));
-    }
+    const uint16_t* scales = a.scales + g * a.n + n0;  // read on the group's last block
+    const uint16_t* zeros = kHasZeros<F> ? a.zeros + g * a.n + n0 : nullptr;
     const int32_t* rows = a.packed + b * L::kWordRows * a.n + n0;
     const int32_t* meta = metadata ? metadata + b * a.n + n0 : nullptr;
     for (int64_t col = 0; col < padded; col += kCols) {
       if (col + kCols > cols) {  // the tail: zero-padded copies of the word rows, valid metadata
         for (int r = 0; r < L::kWordRows; ++r) copy_words(tail + r * kCols, rows + r * a.n + col, cols - col, kCols);
         if (meta) copy_metadata(tail_meta, meta + col, cols - col, kCols, kFillMetadata);
-        bad |= q8_micro<F, MR, NV, L>(c, tail, kCols, tail_meta, col);
+        if (c.last) {
+          memcpy(tail_scale, scales + col, (cols - col) * sizeof(uint16_t));
+          if (kHasZeros<F>) memcpy(tail_zero, zeros + col, (cols - col) * sizeof(uint16_t));
+        }
+        bad |= q8_micro<F, MR, NV, L>(c, tail, kCols, tail_meta, tail_scale, tail_zero, col);
         continue;
       }
-      bad |= q8_micro<F, MR, NV, L>(c, rows + col, a.n, meta ? meta + col : nullptr, col);
+      if (prefetch_next_block)  // the same columns of the next block's word rows (none past the last: harmless)
+        for (int r = L::kWordRows; r < 2 * L::kWordRows; ++r)
+          for (int w = 0; w < kCols; w += 64 / sizeof(int32_t)) __builtin_prefetch(rows + r * a.n + col + w, 0, 2);
+      bad |= q8_micro<F, MR, NV, L>(c, rows + col, a.n, meta ? meta + col : nullptr, scales + col,
+                                    kHasZeros<F> ? zeros + col : nullptr, col);
     }
   }
-  for (int i = 0; i < MR; ++i) memcpy(a.out + (m0 + i) * a.n + n0, acc + i * padded, cols * sizeof(float));
+  if (!direct)
+    for (int i = 0; i < MR; ++i) memcpy(a.out + (m0 + i) * a.n + n0, acc + i * padded, cols * sizeof(float));
   return bad;
 }
 
@@ -182,11 +200,11 @@ vu q8_gemv(const typename L::Args& a, int64_t m0, int64_t m1, int64_t n0, int64_
   if constexpr (!Q8Decode<F>::kApplies) {
     return vu{};  // ops.cpp never asks (gemv_q8_applies)
   } else {
-    static_assert(3 * L::kBlockRows + 2 <= kGemvScratchRows, "gemv_scratch_floats is too small");
+    static_assert(3 * L::kBlockRows <= kGemvScratchRows, "gemv_scratch_floats is too small");
     const int64_t padded = (n1 - n0 + 64) / 64 * 64;
     float* scratch = nullptr;
     if constexpr (requires { a.scratch; }) scratch = a.scratch;  // the decode engine's, allocated once
-    float* buffers = scratch ? scratch : new float[(3 * L::kBlockRows + 2) * padded];
+    float* buffers = scratch ? scratch : new float[3 * L::kBlockRows * padded];
     vu bad = {};
     for (int64_t m = m0; m < m1;) {
       const int64_t left = m1 - m, blocks = (left + L::kBlockRows - 1) / L::kBlockRows;
