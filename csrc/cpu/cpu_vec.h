@@ -184,7 +184,9 @@ inline vf splat_bits(const void* p) {
   return splat(f);
 }
 
-// a * b + c; -std=c++20 turns off FP contraction, so ask for the FMA.
+// a * b + c in one rounding, asked for explicitly. Plain `a * b + c` is no
+// guarantee either way: GCC contracts it into an FMA in C++ whatever -std says
+// (measured with GCC 12), so which products fuse can change with the code around them.
 inline vf fmadd(vf a, vf b, vf c) {
 #if MARLIN_KERNEL_AVX512
   return _mm512_fmadd_ps(a, b, c);

@@ -183,7 +183,7 @@ vu q8_rows(const typename L::Args& a, int64_t m0, int64_t n0, int64_t n1, float*
         bad |= q8_micro<F, MR, NV, L>(c, tail, kCols, tail_meta, tail_scale, tail_zero, col);
         continue;
       }
-      if (prefetch_next_block)  // the same columns of the next block's word rows (none past the last: harmless)
+      if (prefetch_next_block && b + 1 < blocks)  // the same columns of the next block's word rows
         for (int r = L::kWordRows; r < 2 * L::kWordRows; ++r)
           for (int w = 0; w < kCols; w += 64 / sizeof(int32_t)) __builtin_prefetch(rows + r * a.n + col + w, 0, 2);
       bad |= q8_micro<F, MR, NV, L>(c, rows + col, a.n, meta ? meta + col : nullptr, scales + col,
