@@ -138,22 +138,7 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 inline vu rans_gather(const uint32_t* table, vu index) {
 #if MARLIN_KERNEL_AVX512
   return (vu)_mm512_i32gather_epi32((__m512i)index, table, 4);
-#elif MARLIN_KERNEL_AVX2
-  // 8 loads instead of vpgatherdd, microcoded on AMD and slower (M = 32 6-17%
-  // faster here); the indices through memory, where GCC took each out of the
-  // vector by vpextrd (2 uops; the asm keeps the store and the scalar loads).
-  alignas(32) uint32_t i[kLanes];
-  _mm256_store_si256((__m256i*)i, (__m256i)index);
-  __asm__("" : "+m"(i));
-  __m128i lo = _mm_cvtsi32_si128(int(table[i[0]])), hi = _mm_cvtsi32_si128(int(table[i[4]]));
-  lo = _mm_insert_epi32(lo, int(table[i[1]]), 1);
-  hi = _mm_insert_epi32(hi, int(table[i[5]]), 1);
-  lo = _mm_insert_epi32(lo, int(table[i[2]]), 2);
-  hi = _mm_insert_epi32(hi, int(table[i[6]]), 2);
-  lo = _mm_insert_epi32(lo, int(table[i[3]]), 3);
-  hi = _mm_insert_epi32(hi, int(table[i[7]]), 3);
-  return (vu)_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-#else
+#else  // AVX2: faster than vpgatherdd, microcoded on AMD (vpextrd, a load, vpinsrd per lane)
   vu e;
   for (int l = 0; l < kLanes; ++l) e[l] = table[index[l]];
   return e;
