@@ -6,7 +6,7 @@
 //
 // The 32 lanes of a chunk decode in lockstep, kRansVectors vectors of kLanes:
 // per step each lane looks its slot up in the per-call slot table (a gather
-// on AVX2/AVX-512, one load per lane elsewhere), updates its state, and the
+// on AVX-512, one load per lane elsewhere), updates its state, and the
 // lanes whose state fell below 2^16 take the next words of the chunk's shared
 // stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a 256-entry table
 // of the 8-lane prefix sums; elsewhere one lane after the other). Lane l of
@@ -134,13 +134,11 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #endif
 }
 
-// table[index[l]] for each lane.
+// table[index[l]] for each lane: a gather on AVX-512, loads lane by lane elsewhere.
 inline vu rans_gather(const uint32_t* table, vu index) {
 #if MARLIN_KERNEL_AVX512
   return (vu)_mm512_i32gather_epi32((__m512i)index, table, 4);
-#elif MARLIN_KERNEL_AVX2
-  return (vu)__builtin_ia32_gathersiv8si(vi{}, (const int*)table, (vi)index, vi{} - 1, 4);
-#else
+#else  // AVX2: faster than vpgatherdd, microcoded on AMD (vpextrd, a load, vpinsrd per lane)
   vu e;
   for (int l = 0; l < kLanes; ++l) e[l] = table[index[l]];
   return e;
