@@ -138,7 +138,8 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 inline vu rans_gather(const uint32_t* table, vu index) {
 #if MARLIN_KERNEL_AVX512
   return (vu)_mm512_i32gather_epi32((__m512i)index, table, 4);
-#else  // AVX2: faster than vpgatherdd, microcoded on AMD (vpextrd, a load, vpinsrd per lane)
+#else  // AVX2 too: vpgatherdd is microcoded on AMD, and GCC's vpextrd, load, vpinsrd per lane
+       // measured faster on Zen 5 (M = 32 8-12%); not measured on Intel
   vu e;
   for (int l = 0; l < kLanes; ++l) e[l] = table[index[l]];
   return e;
