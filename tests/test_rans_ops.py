@@ -196,7 +196,7 @@ def test_lossless_gemm_equals_the_dense_op(weight_format, dtype):
     try:
         # K = 100: a short last group (G = ceil(K / group_size)), which the dense layout pads with zero rows
         for k, n, group_size, chunk_k in [(320, 70, 64, 128), (256, 33, -1, 96), (512, 96, 128, 256), (100, 45, 32, 64),
-                                          (100, 45, -1, 64)]:
+                                          (100, 45, -1, 64), (128, 224, 64, 64)]:
             codes = skewed_codes(k, n, 16)
             k_dense = formats.padded_in_features(k, group_size)
             scales, zeros = random_groups(k_dense, n, weight_format, group_size)
@@ -235,6 +235,37 @@ def test_gemm_matches_float64_reference(weight_format, dtype):
         y = torch.ops.marlin.rans_gemm(x, *t, scales, zeros, bias, weight_format, k, chunk_k, prob_bits, group_size)
         assert y.shape == (2, m, n)
         assert_close_to_reference(y.view(-1, n), x.view(-1, k), b64, bias)
+
+
+@pytest.mark.parametrize("weight_format", ["fp4", "grid", "tcq"])
+def test_gemm_column_tails(weight_format):
+    """The tile GEMM's work items of 128 columns (4 column blocks decoded in lockstep on
+    AVX-512): N = 64 j + r with an odd number of 32-column blocks and a part block in the last
+    item, against the float64 reference, the same bits whatever the thread count."""
+    grid = weight_format in ("grid", "tcq")
+    k, chunk_k = 192, 64
+    for n in (160, 200, 224, 330):
+        codes = skewed_codes(k, n, 256 if grid else 16)
+        if grid:
+            scales, zeros, group_size = (torch.rand(1, n) * 0.002 + 0.0001).half(), None, k
+        else:
+            group_size = 64
+            scales, zeros = random_groups(k, n, weight_format, group_size)
+        t = encode(codes.numpy(), chunk_k, 12, 256 if grid else 16)
+        b64 = dequantize_codes(codes, scales, zeros, weight_format, group_size, chunk_k)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(32, k).to(dtype)
+            ys = []
+            for threads in (1, 3):
+                saved = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    ys.append(torch.ops.marlin.rans_gemm(x, *t, scales, zeros, None, weight_format, k, chunk_k, 12,
+                                                         group_size))
+                finally:
+                    torch.set_num_threads(saved)
+            assert torch.equal(ys[0], ys[1]), (n, dtype)
+            assert_close_to_reference(ys[0], x, b64)
 
 
 def tail_freqs(core, tail, prob_bits):

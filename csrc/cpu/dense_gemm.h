@@ -93,31 +93,48 @@ inline void with_rows(int rows, Body&& body) {
 }
 #undef MARLIN_ROWS_CASE
 
-// out[m0:m1, nb:nb+64] through fp32 tiles of B that fill(k0, rows, tile)
-// writes (the dense dequant_tile, or the 2:4 one).
-template <class Fill>
+// Tiles (of a Tiles-tile fill) inside N: the others are neither computed nor stored.
+template <int Tiles>
+inline int tiles_inside(const GemmArgs& a, int64_t nb) {
+  if constexpr (Tiles == 1) return 1;  // nb < N
+  const int64_t inside = (a.n - nb + kTileCols - 1) / kTileCols;
+  return int(inside < Tiles ? inside : Tiles);
+}
+
+// out[m0:m1, nb:nb+64 Tiles] through fp32 tiles of B that fill(k0, rows, tile)
+// writes (the dense dequant_tile, or the 2:4 one; Tiles > 1: the rans fill,
+// tile t of columns nb + 64 t at tile + t * kTileRows * kTileCols); scratch as
+// Tiles * gemm_scratch_floats(m1 - m0).
+template <int Tiles = 1, class Fill>
 void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch, Fill&& fill) {
+  constexpr int64_t kTileFloats = kTileRows * kTileCols;
+  const int tiles = tiles_inside<Tiles>(a, nb);
+  const int64_t acc_floats = (m1 - m0) * kTileCols;  // per tile
   float* tile = scratch;
-  float* acc = scratch + kTileRows * kTileCols;
-  memset(acc, 0, (m1 - m0) * kTileCols * sizeof(float));
+  float* acc = scratch + Tiles * kTileFloats;
+  memset(acc, 0, tiles * acc_floats * sizeof(float));
   for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
     const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
     fill(k0, rows, tile);
     // Column slices outer: one slice of the tile (16 or 32 KiB) stays in L1
     // while every row block streams past it. (Copying x's block to a
     // stride without L1 set aliasing was measured 1.1x slower.)
-    for (int col = 0; col < kTileCols; col += 2 * kLanes) {
-      for (int64_t m = m0; m < m1; m += kMicroRows) {
-        const float* x = a.x + m * a.k + k0;
-        float* c = acc + (m - m0) * kTileCols;
-        with_rows(int(m1 - m < kMicroRows ? m1 - m : kMicroRows),
-                  [&]<int MR>() { micro_kernel<MR>(x, a.k, rows, tile, col, c); });
+    for (int t = 0; t < tiles; ++t) {
+      for (int col = 0; col < kTileCols; col += 2 * kLanes) {
+        for (int64_t m = m0; m < m1; m += kMicroRows) {
+          const float* x = a.x + m * a.k + k0;
+          float* c = acc + t * acc_floats + (m - m0) * kTileCols;
+          with_rows(int(m1 - m < kMicroRows ? m1 - m : kMicroRows),
+                    [&]<int MR>() { micro_kernel<MR>(x, a.k, rows, tile + t * kTileFloats, col, c); });
+        }
       }
     }
   }
-  const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
-  for (int64_t m = m0; m < m1; ++m)
-    memcpy(a.out + m * a.n + nb, acc + (m - m0) * kTileCols, cols * sizeof(float));
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
+    for (int64_t m = m0; m < m1; ++m)
+      memcpy(a.out + m * a.n + n0, acc + t * acc_floats + (m - m0) * kTileCols, cols * sizeof(float));
+  }
 }
 
 template <int F>
@@ -181,49 +198,57 @@ inline void micro_dot(const uint16_t* x, int64_t ldx, int64_t pairs, const float
   }
 }
 
-// out[m0:m1, nb:nb+64] through pair tiles that fill(k0, rows, tile) writes
-// (the dense dequant_pairs_tile, or the 2:4 one).
-template <int F, class Fill>
+// out[m0:m1, nb:nb+64 Tiles] through pair tiles that fill(k0, rows, tile)
+// writes (the dense dequant_pairs_tile, or the 2:4 one; Tiles as gemm_tiles).
+template <int F, int Tiles = 1, class Fill>
 void gemm_tiles_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch, Fill&& fill) {
+  constexpr int64_t kTileFloats = kTileRows * kTileCols;
+  const int tiles = tiles_inside<Tiles>(a, nb);
+  const int64_t acc_floats = (m1 - m0) * kTileCols;  // per tile
   float* tile = scratch;
-  float* acc = scratch + kTileRows * kTileCols;
-  const int64_t cols = (a.n - nb < kTileCols) ? a.n - nb : kTileCols;
+  float* acc = scratch + Tiles * kTileFloats;
   alignas(64) float scale[kTileCols], zero[kTileCols];
-  memset(acc, 0, (m1 - m0) * kTileCols * sizeof(float));
+  memset(acc, 0, tiles * acc_floats * sizeof(float));
   for (int64_t k0 = 0; k0 < a.k; k0 += kTileRows) {
     const int64_t rows = (a.k - k0 < kTileRows) ? a.k - k0 : kTileRows;
     fill(k0, rows, tile);
-    for (int64_t s0 = k0; s0 < k0 + rows;) {
-      const int64_t g = s0 / a.group_rows;
-      const int64_t s1 = (g + 1) * a.group_rows < k0 + rows ? (g + 1) * a.group_rows : k0 + rows;
-      copy_halves(scale, a.scales + g * a.n + nb, cols, kTileCols);
-      if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + nb, cols, kTileCols);
-      const float* pairs = tile + (s0 - k0) / 2 * kTileCols;
-      for (int64_t m = m0; m < m1;) {
-        const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
-        const int mr = int((left + blocks - 1) / blocks);
-        const uint16_t* x = a.x_bf16 + m * a.k + s0;
-        const float* xsum = kHasZeros<F> && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
-        float* c = acc + (m - m0) * kTileCols;
-        for (int col = 0; col < kTileCols; col += kDotCols) {
-          switch (mr) {
+    for (int t = 0; t < tiles; ++t) {
+      const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
+      for (int64_t s0 = k0; s0 < k0 + rows;) {
+        const int64_t g = s0 / a.group_rows;
+        const int64_t s1 = (g + 1) * a.group_rows < k0 + rows ? (g + 1) * a.group_rows : k0 + rows;
+        copy_halves(scale, a.scales + g * a.n + n0, cols, kTileCols);
+        if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + n0, cols, kTileCols);
+        const float* pairs = tile + t * kTileFloats + (s0 - k0) / 2 * kTileCols;
+        for (int64_t m = m0; m < m1;) {
+          const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
+          const int mr = int((left + blocks - 1) / blocks);
+          const uint16_t* x = a.x_bf16 + m * a.k + s0;
+          const float* xsum = kHasZeros<F> && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
+          float* c = acc + t * acc_floats + (m - m0) * kTileCols;
+          for (int col = 0; col < kTileCols; col += kDotCols) {
+            switch (mr) {
 #define MARLIN_MICRO_DOT(MR) micro_dot<F, MR>(x, a.k, (s1 - s0) / 2, pairs, col, scale, zero, xsum, a.groups, c)
-            case 1: MARLIN_MICRO_DOT(1); break;
-            case 2: MARLIN_MICRO_DOT(2); break;
-            case 3: MARLIN_MICRO_DOT(3); break;
-            case 4: MARLIN_MICRO_DOT(4); break;
-            case 5: MARLIN_MICRO_DOT(5); break;
-            default: MARLIN_MICRO_DOT(6); break;
+              case 1: MARLIN_MICRO_DOT(1); break;
+              case 2: MARLIN_MICRO_DOT(2); break;
+              case 3: MARLIN_MICRO_DOT(3); break;
+              case 4: MARLIN_MICRO_DOT(4); break;
+              case 5: MARLIN_MICRO_DOT(5); break;
+              default: MARLIN_MICRO_DOT(6); break;
 #undef MARLIN_MICRO_DOT
+            }
           }
+          m += mr;
         }
-        m += mr;
+        s0 = s1;
       }
-      s0 = s1;
     }
   }
-  for (int64_t m = m0; m < m1; ++m)
-    memcpy(a.out + m * a.n + nb, acc + (m - m0) * kTileCols, cols * sizeof(float));
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
+    for (int64_t m = m0; m < m1; ++m)
+      memcpy(a.out + m * a.n + n0, acc + t * acc_floats + (m - m0) * kTileCols, cols * sizeof(float));
+  }
 }
 
 template <int F>

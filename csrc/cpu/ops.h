@@ -54,17 +54,20 @@ void parallel_gemv(int64_t n, Gemv&& gemv) {
   });
 }
 
-template <class Gemv, class GemmTile>
+// ItemCols: the columns of one gemm_tile call (the rans GEMM's 128), whose
+// scratch is one gemm_scratch_floats per 64 of them.
+template <int64_t ItemCols = kGemmBlockCols, class Gemv, class GemmTile>
 void parallel_gemm(int64_t m, int64_t n, Gemv&& gemv, GemmTile&& gemm_tile) {
+  static_assert(ItemCols % kGemmBlockCols == 0);
   if (m <= kGemvMaxRows) return parallel_gemv(n, gemv);
-  const int64_t col_tiles = (n + kGemmBlockCols - 1) / kGemmBlockCols;
+  const int64_t col_tiles = (n + ItemCols - 1) / ItemCols;
   const int64_t want_row_blocks = (2 * at::get_num_threads() + col_tiles - 1) / col_tiles;
   const int64_t rows_per_item = std::max<int64_t>(64, (m + want_row_blocks - 1) / want_row_blocks);
   const int64_t row_blocks = (m + rows_per_item - 1) / rows_per_item;
   at::parallel_for(0, col_tiles * row_blocks, 1, [&](int64_t i0, int64_t i1) {
-    std::unique_ptr<float[]> scratch(new float[gemm_scratch_floats(rows_per_item)]);
+    std::unique_ptr<float[]> scratch(new float[ItemCols / kGemmBlockCols * gemm_scratch_floats(rows_per_item)]);
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t nb = (i % col_tiles) * kGemmBlockCols, m0 = (i / col_tiles) * rows_per_item;
+      const int64_t nb = (i % col_tiles) * ItemCols, m0 = (i / col_tiles) * rows_per_item;
       gemm_tile(m0, std::min(m, m0 + rows_per_item), nb, scratch.get());
     }
   });

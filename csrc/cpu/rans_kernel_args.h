@@ -11,6 +11,9 @@ namespace marlin {
 namespace cpu {
 
 constexpr int kRansBlockCols = 32;  // lanes of a column block: one output column each
+// Columns of one gemm_tile call: 4 column blocks, so that AVX-512's tile fill
+// decodes 4 independent state chains in lockstep.
+constexpr int64_t kRansGemmCols = 2 * kGemmBlockCols;
 // RansArgs::kind of weight_format "grid": value (s - 128) * step. Not a value format
 // number: has_zeros and zeros_are_bias are false for it, as the grid has no zeros.
 constexpr int kRansGrid = 100;
@@ -168,9 +171,10 @@ struct RansArgs {
 //       x[m0:m1] @ W[K chunks c0:c1, column blocks b0:b1]; the weight is decoded in
 //       registers, never stored. Groups end with the range (c1 at a group end, or a
 //       format without zeros).
-//   gemm_tile(a, m0, m1, nb, scratch)    out[m0:m1, nb:nb+64] (a.gemm.out), every chunk of the
-//       two column blocks decoded once into cache-sized tiles reused for all rows
-//       (the dense gemm_tiles); scratch as gemm_scratch_floats(m1 - m0).
+//   gemm_tile(a, m0, m1, nb, scratch)    out[m0:m1, nb:nb+128] (a.gemm.out; nb a multiple of
+//       kRansGemmCols), every chunk of the four column blocks decoded once into cache-sized
+//       tiles reused for all rows (the dense gemm_tiles); scratch as
+//       2 * gemm_scratch_floats(m1 - m0).
 //   decode_chunk(a, c, out, ldo, cols)   symbols of chunk c into out[0:rows, 0:cols] (uint8, its
 //       K rows from the chunk's first, row stride ldo).
 struct RansKernels {

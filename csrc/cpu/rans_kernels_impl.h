@@ -424,14 +424,20 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 }
 
 // ---------------------------------------------------------------------------
-// Tiled GEMM: the dense gemm_tiles (or gemm_tiles_dot) on tiles that this
-// fill decodes from the chunks of column blocks nb / 32 and nb / 32 + 1, one
-// tile row after the other (the lanes' states carry over between tiles).
+// Tiled GEMM: the dense gemm_tiles (or gemm_tiles_dot) on Tiles tiles side by
+// side that this fill decodes from the chunks of column blocks nb / 32 ...
+// nb / 32 + 2 Tiles - 1 in lockstep, one tile row after the other (the lanes'
+// states carry over between tiles). Tiles = 2 on AVX-512's register lookup
+// (but tcq): 4 independent state chains, as the GEMV's 4 blocks.
 
-template <int Kind, int Lookup, bool Dot>
+template <int Kind, int Lookup>
+constexpr int kRansFillTiles = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters && Kind != kRansTcq ? 2 : 1;
+
+template <int Kind, int Lookup, bool Dot, int Tiles>
 struct RansTileFill {
   static constexpr int F = Kind;
-  static constexpr int kBlocks = kTileCols / kRansBlockCols;
+  static constexpr int kCols = Tiles * kTileCols;
+  static constexpr int kBlocks = kCols / kRansBlockCols;
   // AVX-512 register lookup of a value kind: each index's value as bf16 bits
   // by one more vpermi2w, for the 32 lanes at once (instead of the symbol's
   // split into two vectors, then its value and, for Dot, the bf16 pairing).
@@ -439,13 +445,13 @@ struct RansTileFill {
   const RansArgs& a;
   const RansTable<Lookup> table;
   int64_t nb;
-  int blocks;             // column blocks of the tile inside N (1 or 2)
+  int blocks;             // column blocks of the tiles inside N (1 ... kBlocks)
   RansLanes d[kBlocks] = {};
   int64_t chunk_end = 0;  // K row where the current chunk ends
   int64_t group = -1;
   uint32_t bad = 0;
   bool value_words = false;  // kValueWords, and (fp32 tiles) every value exact in bf16
-  alignas(64) float scale[kTileCols], zero[kTileCols];
+  alignas(64) float scale[kCols], zero[kCols];
 #if MARLIN_KERNEL_AVX512
   __m512i value_bits[2];  // words 0-31, 32-63: the high 16 bits of each index's fp32 value
 #endif
@@ -508,12 +514,15 @@ struct RansTileFill {
   }
 #endif
 
+  // Column col's place in the tiles (row 0).
+  static float* at(float* tile, int col) { return tile + col / kTileCols * (kTileRows * kTileCols) + col % kTileCols; }
+
   void operator()(int64_t k0, int64_t rows, float* tile) {
     const GemmArgs& g = a.gemm;
-    const int64_t cols = a.n - nb < kTileCols ? a.n - nb : kTileCols;
+    const int64_t cols = a.n - nb < kCols ? a.n - nb : kCols;
     RansLanes lanes[kBlocks] = {};
     for (int j = 0; j < kBlocks; ++j) lanes[j] = d[j];
-    vf values[kTileCols / kLanes];
+    vf values[kCols / kLanes];
     for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
       const int64_t k = k0 + r;
 #if MARLIN_KERNEL_AVX512
@@ -525,7 +534,7 @@ struct RansTileFill {
             __m512i second[kBlocks];
             step_words(lanes, k + 1, second);
             for (int j = 0; j < kBlocks; ++j) {
-              float* dst = tile + r / 2 * kTileCols + j * kRansBlockCols;
+              float* dst = at(tile, j * kRansBlockCols) + r / 2 * kTileCols;
               _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0xAAAAAAAAu, first[j], _mm512_slli_epi32(second[j], 16)));
               _mm512_storeu_si512(dst + kLanes, _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(first[j], 16), second[j]));
             }
@@ -545,21 +554,21 @@ struct RansTileFill {
       }
 #if MARLIN_KERNEL_BF16_DOT
       if constexpr (Dot) {  // pair row r / 2: K rows k, k + 1 (the scale is applied per group by gemm_tiles_dot)
-        vf second[kTileCols / kLanes];
+        vf second[kCols / kLanes];
         step(lanes, k + 1, second);
-        for (int q = 0; q < kTileCols / kLanes; ++q)
-          store(tile + r / 2 * kTileCols + q * kLanes,
+        for (int q = 0; q < kCols / kLanes; ++q)
+          store(at(tile, q * kLanes) + r / 2 * kTileCols,
                 (vf)(((vu)values[q] >> 16) | ((vu)second[q] & 0xFFFF0000u)));
         continue;
       }
 #endif
       if (k / g.group_rows != group) {
         group = k / g.group_rows;
-        load_group<F>(g, group, nb, cols, kTileCols, scale, zero);
+        load_group<F>(g, group, nb, cols, kCols, scale, zero);
       }
-      for (int q = 0; q < kTileCols / kLanes; ++q) {
+      for (int q = 0; q < kCols / kLanes; ++q) {
         const vf z = kHasZeros<F> ? load(zero + q * kLanes) : vf{};
-        store(tile + r * kTileCols + q * kLanes, group_weight<F>(values[q], load(scale + q * kLanes), z));
+        store(at(tile, q * kLanes) + r * kTileCols, group_weight<F>(values[q], load(scale + q * kLanes), z));
       }
     }
     for (int j = 0; j < kBlocks; ++j) d[j] = lanes[j];
@@ -568,18 +577,25 @@ struct RansTileFill {
   }
 };
 
+// Columns [nb, nb + kRansGemmCols): one fill of kRansFillTiles tiles after the other.
 template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  RansTileFill<Kind, Lookup, Dot> fill(a, nb);
-  auto f = [&](int64_t k0, int64_t rows, float* tile) { fill(k0, rows, tile); };
+  constexpr int Tiles = kRansFillTiles<Kind, Lookup>;
+  uint32_t bad = 0;
+  for (int64_t n0 = nb; n0 < nb + kRansGemmCols && n0 < a.n; n0 += Tiles * kTileCols) {
+    RansTileFill<Kind, Lookup, Dot, Tiles> fill(a, n0);
+    auto f = [&](int64_t k0, int64_t rows, float* tile) { fill(k0, rows, tile); };
 #if MARLIN_KERNEL_BF16_DOT
-  if constexpr (Dot) {
-    gemm_tiles_dot<Kind>(a.gemm, m0, m1, nb, scratch, f);
-    return fill.bad;
-  }
+    if constexpr (Dot) {
+      gemm_tiles_dot<Kind, Tiles>(a.gemm, m0, m1, n0, scratch, f);
+      bad |= fill.bad;
+      continue;
+    }
 #endif
-  gemm_tiles(a.gemm, m0, m1, nb, scratch, f);
-  return fill.bad;
+    gemm_tiles<Tiles>(a.gemm, m0, m1, n0, scratch, f);
+    bad |= fill.bad;
+  }
+  return bad;
 }
 
 // ---------------------------------------------------------------------------

@@ -170,7 +170,7 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
       bad = rans_gemv_all(kern, a, r, m, g.out);
     } else {
       std::atomic<uint32_t> tile_bad{0};
-      parallel_gemm(
+      parallel_gemm<kRansGemmCols>(
           m, s.n, [](int64_t, int64_t) {},  // m > kGemvMaxRows: only tiles
           [&](int64_t m0, int64_t m1, int64_t nb, float* scratch) { tile_bad |= kern.gemm_tile(a, m0, m1, nb, scratch); });
       bad = tile_bad;

@@ -238,9 +238,9 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
       for (int64_t i = 0; i < m; ++i) memcpy(out.data() + i * n, part.data() + i * ld, n * sizeof(float));
       return bad;
     }
-    std::vector<float> scratch(gemm_scratch_floats(m));
+    std::vector<float> scratch(kRansGemmCols / kGemmBlockCols * gemm_scratch_floats(m));
     uint32_t bad = 0;
-    for (int64_t nb = 0; nb < n; nb += kGemmBlockCols) bad |= kern.gemm_tile(a, 0, m, nb, scratch.data());
+    for (int64_t nb = 0; nb < n; nb += kRansGemmCols) bad |= kern.gemm_tile(a, 0, m, nb, scratch.data());
     return bad;
   };
   if (run()) fail(std::string(what) + ": gemm reports a good stream bad");
