@@ -1,0 +1,93 @@
+// The entropy-coded layout's tile GEMM split into its parts: gemm_tile of the
+// CPU kernels (csrc/cpu/rans_kernels_impl.h) over all of N with no rows of x
+// (the tile fill, the decode, alone) and with M rows (fill and micro-kernels),
+// without torch; process CPU time, one thread, median of 9. Streams come from
+// the spec's reference encoder of tests/cpu_kernels/check_rans_kernels.cpp
+// (included, its main renamed): a 16-symbol stream peaked around the middle
+// (fp4 lossless-like) or a 256-symbol grid stream. Built and run by
+// benchmarks/bench_rans_fill.py; prints one JSON line per case.
+#define main check_rans_kernels_main
+#include "check_rans_kernels.cpp"
+#undef main
+
+#include <time.h>
+
+namespace {
+double cpu_seconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return t.tv_sec + t.tv_nsec * 1e-9;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    fprintf(stderr, "usage: %s BUILD fp4|grid M [N=K]\n", argv[0]);
+    return 2;
+  }
+  const std::string build = argv[1], kind_name = argv[2];
+  const int64_t m = atoll(argv[3]), n = argc > 4 ? atoll(argv[4]) : 4096, k = n, chunk_k = 1024;
+  const RansKernels* kern = rans_build(build);
+  const std::string why = unsupported_reason(build);
+  if (!kern || !why.empty()) {
+    printf("{\"build\": \"%s\", \"skipped\": \"%s\"}\n", build.c_str(), kern ? why.c_str() : "not compiled");
+    return 0;
+  }
+  const bool grid = kind_name == "grid";
+  const int kind = grid ? kRansGrid : int(marlin::kFp4), symbols = grid ? 256 : 16, prob_bits = 12;
+  std::vector<int> codes(k * n);
+  for (int& c : codes) {
+    const double u = uniform() + uniform() + uniform() - 1.5;
+    c = grid ? std::min(255, std::max(0, int(128 + u * 12))) : std::min(15, std::max(0, int(8 + u * 6)));
+  }
+  Streams st = encode(codes, k, n, chunk_k, prob_bits, symbols);
+  std::vector<uint32_t> table(rans_slot_table_size(prob_bits));
+  build_rans_slot_table(st.freqs.data(), symbols, prob_bits, table.data());
+  RansArgs a{};
+  a.words = st.words.data();
+  a.word_offsets = st.offsets.data();
+  a.states = st.states.data();
+  a.table = table.data();
+  a.registers = build_rans_register_table(st.freqs.data(), symbols, prob_bits);
+  a.prob_bits = prob_bits;
+  a.kind = kind;
+  a.k = k;
+  a.n = n;
+  a.chunk_k = chunk_k;
+  a.kchunks = (k + chunk_k - 1) / chunk_k;
+  a.blocks = (n + 31) / 32;
+  const int64_t group_rows = grid ? k : 128, groups = k / group_rows;
+  std::vector<uint16_t> scales(groups * n, half_bits(0.01)), xb(m * k, bf16_of(0.5f));
+  std::vector<float> x(m * k, 0.5f), out(m * n);
+  const bool bf16_x = build.find("bf16") != std::string::npos;  // as the op gives bf16 x to these builds
+  a.gemm.x = bf16_x ? nullptr : x.data();
+  a.gemm.x_bf16 = bf16_x ? xb.data() : nullptr;
+  a.gemm.scales = scales.data();
+  a.gemm.m = m;
+  a.gemm.k = k;
+  a.gemm.n = n;
+  a.gemm.groups = groups;
+  a.gemm.group_rows = group_rows;
+  a.gemm.format = kind;
+  a.gemm.out = out.data();
+  std::vector<float> scratch(kRansGemmCols / kGemmBlockCols * gemm_scratch_floats(m));
+  double ms[2];
+  for (int part = 0; part < 2; ++part) {
+    const int64_t rows = part ? m : 0;
+    std::vector<double> t;
+    uint32_t bad = 0;
+    for (int r = 0; r < 9; ++r) {
+      const double start = cpu_seconds();
+      for (int64_t nb = 0; nb < n; nb += kRansGemmCols) bad |= kern->gemm_tile(a, 0, rows, nb, scratch.data());
+      t.push_back(cpu_seconds() - start);
+    }
+    if (bad) fail("a well-formed stream reported bad");
+    std::sort(t.begin(), t.end());
+    ms[part] = t[4] * 1e3;
+  }
+  printf("{\"build\": \"%s\", \"weights\": \"%s\", \"n\": %lld, \"k\": %lld, \"m\": %lld, \"levels\": %d, "
+         "\"split\": %d, \"fill_ms\": %.3f, \"gemm_ms\": %.3f}\n",
+         build.c_str(), kind_name.c_str(), (long long)n, (long long)k, (long long)m, a.registers.levels,
+         int(a.registers.has_split), ms[0], ms[1]);
+  return failures ? 1 : 0;
+}
