@@ -101,6 +101,16 @@ inline int tiles_inside(const GemmArgs& a, int64_t nb) {
   return int(inside < Tiles ? inside : Tiles);
 }
 
+// out[m0:m1, nb:nb+64 tiles] from the accumulators of tiles side by side (row
+// stride 64, (m1 - m0) rows per tile), the columns inside N.
+inline void store_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, int tiles, const float* acc) {
+  for (int t = 0; t < tiles; ++t) {
+    const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
+    for (int64_t m = m0; m < m1; ++m)
+      memcpy(a.out + m * a.n + n0, acc + (t * (m1 - m0) + m - m0) * kTileCols, cols * sizeof(float));
+  }
+}
+
 // out[m0:m1, nb:nb+64 Tiles] through fp32 tiles of B that fill(k0, rows, tile)
 // writes (the dense dequant_tile, or the 2:4 one; Tiles > 1: the rans fill,
 // tile t of columns nb + 64 t at tile + t * kTileRows * kTileCols); scratch as
@@ -130,11 +140,7 @@ void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* sc
       }
     }
   }
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
-    for (int64_t m = m0; m < m1; ++m)
-      memcpy(a.out + m * a.n + n0, acc + t * acc_floats + (m - m0) * kTileCols, cols * sizeof(float));
-  }
+  store_tiles(a, m0, m1, nb, tiles, acc);
 }
 
 template <int F>
@@ -244,11 +250,7 @@ void gemm_tiles_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float
       }
     }
   }
-  for (int t = 0; t < tiles; ++t) {
-    const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
-    for (int64_t m = m0; m < m1; ++m)
-      memcpy(a.out + m * a.n + n0, acc + t * acc_floats + (m - m0) * kTileCols, cols * sizeof(float));
-  }
+  store_tiles(a, m0, m1, nb, tiles, acc);
 }
 
 template <int F>

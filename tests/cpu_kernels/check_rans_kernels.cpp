@@ -128,6 +128,26 @@ Streams encode(const std::vector<int>& codes, int64_t k, int64_t n, int64_t chun
   return st;
 }
 
+// The kernels' arguments for stream st (its words at `words`, its slot table built),
+// before x, the scales and the output.
+RansArgs stream_args(const Streams& st, const uint16_t* words, const std::vector<uint32_t>& table, int symbols,
+                     int kind, int prob_bits, int64_t k, int64_t n, int64_t chunk_k) {
+  RansArgs a{};
+  a.words = words;
+  a.word_offsets = st.offsets.data();
+  a.states = st.states.data();
+  a.table = table.data();
+  a.registers = build_rans_register_table(st.freqs.data(), symbols, prob_bits);
+  a.prob_bits = prob_bits;
+  a.kind = kind;
+  a.k = k;
+  a.n = n;
+  a.chunk_k = chunk_k;
+  a.kchunks = (k + chunk_k - 1) / chunk_k;
+  a.blocks = (n + 31) / 32;
+  return a;
+}
+
 struct Case {
   int kind, prob_bits;
   int64_t m, k, n, chunk_k, group_size;  // group_size -1: one group
@@ -177,20 +197,8 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
     ~Unmap() { munmap(p, n); }
   } unmap{base, mapped};
 
-  RansArgs a{};
-  a.words = words;
-  a.word_offsets = st.offsets.data();
-  a.states = st.states.data();
-  a.table = table.data();
-  a.registers = build_rans_register_table(st.freqs.data(), symbols, cs.prob_bits);
+  RansArgs a = stream_args(st, words, table, symbols, cs.kind, cs.prob_bits, k, n, cs.chunk_k);
   if (cs.flat && !a.registers.symbols) fail(std::to_string(cs.used) + " flat symbols have no register table");
-  a.prob_bits = cs.prob_bits;
-  a.kind = cs.kind;
-  a.k = k;
-  a.n = n;
-  a.chunk_k = cs.chunk_k;
-  a.kchunks = (k + cs.chunk_k - 1) / cs.chunk_k;
-  a.blocks = (n + 31) / 32;
   const int64_t chunks = a.blocks * a.kchunks;
   char what[200];
   snprintf(what, sizeof(what), "%s kind=%d p=%d m=%lld k=%lld n=%lld chunk_k=%lld g=%lld x=%s", name.c_str(), cs.kind,
