@@ -1,8 +1,9 @@
 /* Which vector instructions of the rans decode can issue beside the
    micro-kernels' dot products (docs/CPU.md, "Overlap"): cycles per loop
    iteration of 16 independent vdpbf16ps, of 8 instructions of one kind, and
-   of both together. Cycles from process CPU time at the clock a chain of
-   dependent adds measures (1 cycle each). x86-64 with AVX-512 BF16 only:
+   of both together; last, 8 each of a shift, an add and a permute at once.
+   Cycles from process CPU time at the clock a chain of dependent adds
+   measures (1 cycle each). x86-64 with AVX-512 BF16 only:
 
      gcc -O2 benchmarks/vector_pipes.c -o /tmp/vector_pipes && /tmp/vector_pipes
 */
@@ -30,13 +31,18 @@ static double cpu_seconds(void) {
 #define BLEND(r) "vpblendmw %%zmm18, %%zmm" #r ", %%zmm" #r "%{%%k1%}\n"
 #define CMP(r) "vpcmpud $1, %%zmm18, %%zmm" #r ", %%k2\n vpaddd %%zmm19, %%zmm" #r ", %%zmm" #r "%{%%k2%}\n"
 #define EXPAND(r) "vpexpandd %%zmm19, %%zmm" #r "%{%%k1%}\n"
+#define LOAD(r) "vmovdqu64 " #r " * 64 - 1536(%0), %%zmm" #r "\n" /* 8 cache lines of buffer */
+#define STORE(r) "vmovdqu64 %%zmm" #r ", " #r " * 64 - 1536(%0)\n"
+#define MIX(r) SHIFT(r) ADD(r) PERM(r)
 
 #define CLOBBERED "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
   "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31"
 #define TIME(body) ({ \
   const double t0 = cpu_seconds(); \
-  for (long i = 0; i < ITERATIONS; ++i) __asm__ volatile(body ::: "memory", "k2", CLOBBERED); \
+  for (long i = 0; i < ITERATIONS; ++i) __asm__ volatile(body ::"r"(buffer) : "memory", "k2", CLOBBERED); \
   (cpu_seconds() - t0) / ITERATIONS; })
+
+static char buffer[512] __attribute__((aligned(64)));
 
 int main(void) {
   __asm__ volatile(
@@ -68,5 +74,8 @@ int main(void) {
   ROW("vpblendmw", BLEND)
   ROW("vpcmpud + masked vpaddd", CMP)
   ROW("vpexpandd", EXPAND)
+  ROW("vmovdqu64 loads", LOAD)
+  ROW("vmovdqu64 stores", STORE)
+  ROW("vpsrld + vpaddd + vpermi2w (24)", MIX)
   return 0;
 }
