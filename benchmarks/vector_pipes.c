@@ -37,7 +37,16 @@ static double cpu_seconds(void) {
 
 #define CLOBBERED "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
   "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31"
+/* The operands (zmm16-21 zero, k1 a lane mask), set before each timed loop:
+   the printf between loops may use any vector register. */
+#define SET_OPERANDS()                                                                          \
+  __asm__ volatile("vpxord %%zmm16, %%zmm16, %%zmm16\n vpxord %%zmm17, %%zmm17, %%zmm17\n"      \
+                   "vpxord %%zmm18, %%zmm18, %%zmm18\n vpxord %%zmm19, %%zmm19, %%zmm19\n"      \
+                   "vpxord %%zmm20, %%zmm20, %%zmm20\n vpxord %%zmm21, %%zmm21, %%zmm21\n"      \
+                   "movl $0x5555, %%eax\n kmovd %%eax, %%k1\n" ::: "eax", "k1", "xmm16", "xmm17", \
+                   "xmm18", "xmm19", "xmm20", "xmm21")
 #define TIME(body) ({ \
+  SET_OPERANDS(); \
   const double t0 = cpu_seconds(); \
   for (long i = 0; i < ITERATIONS; ++i) __asm__ volatile(body ::"r"(buffer) : "memory", "k2", CLOBBERED); \
   (cpu_seconds() - t0) / ITERATIONS; })
@@ -45,11 +54,6 @@ static double cpu_seconds(void) {
 static char buffer[512] __attribute__((aligned(64)));
 
 int main(void) {
-  __asm__ volatile(
-      "vpxord %%zmm16, %%zmm16, %%zmm16\n vpxord %%zmm17, %%zmm17, %%zmm17\n"
-      "vpxord %%zmm18, %%zmm18, %%zmm18\n vpxord %%zmm19, %%zmm19, %%zmm19\n"
-      "vpxord %%zmm20, %%zmm20, %%zmm20\n vpxord %%zmm21, %%zmm21, %%zmm21\n"
-      "movl $0x5555, %%eax\n kmovd %%eax, %%k1\n" ::: "eax", "k1", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21");
   const double t_add = ({
     const double t0 = cpu_seconds();
     long v = 0;
