@@ -4,7 +4,7 @@ on the kernels' entry points without torch (benchmarks/rans_fill.cpp; one
 thread, process CPU time, median of 9). Used in docs/CPU.md to find where the
 rans GEMM's time goes; bench_rans.py times the op against the dense one.
 
-    python benchmarks/bench_rans_fill.py [--builds avx512_bf16,avx512,avx2] [--rows 32] [--weights fp4,grid]
+    python benchmarks/bench_rans_fill.py [--builds avx512_bf16,avx512,avx2] [--rows 32] [--weights fp4,grid,tcq]
 
 Compiles the CPU kernels (csrc/cpu/kernel*.cpp, rans_kernels_*.cpp) with g++
 first (a few minutes on 2 cores).
@@ -46,7 +46,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--builds", default="avx512_bf16,avx512,avx2")
     p.add_argument("--rows", type=int, nargs="+", default=[32])
-    p.add_argument("--weights", default="fp4,grid")
+    p.add_argument("--weights", default="fp4,grid,tcq")
     p.add_argument("--size", type=int, default=4096, help="N = K")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -4,7 +4,8 @@
 // without torch; process CPU time, one thread, median of 9. Streams come from
 // the spec's reference encoder of tests/cpu_kernels/check_rans_kernels.cpp
 // (included, its main renamed): a 16-symbol stream peaked around the middle
-// (fp4 lossless-like) or a 256-symbol grid stream. Built and run by
+// (fp4 lossless-like) or a 256-symbol grid stream (tcq: the same stream
+// through the trellis). Built and run by
 // benchmarks/bench_rans_fill.py; prints one JSON line per case.
 #define main check_rans_kernels_main
 #include "check_rans_kernels.cpp"
@@ -22,7 +23,7 @@ double cpu_seconds() {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s BUILD fp4|grid M [N=K]\n", argv[0]);
+    fprintf(stderr, "usage: %s BUILD fp4|grid|tcq M [N=K]\n", argv[0]);
     return 2;
   }
   const std::string build = argv[1], kind_name = argv[2];
@@ -33,8 +34,9 @@ int main(int argc, char** argv) {
     printf("{\"build\": \"%s\", \"skipped\": \"%s\"}\n", build.c_str(), kern ? why.c_str() : "not compiled");
     return 0;
   }
-  const bool grid = kind_name == "grid";
-  const int kind = grid ? kRansGrid : int(marlin::kFp4), symbols = grid ? 256 : 16, prob_bits = 12;
+  const bool grid = kind_name == "grid" || kind_name == "tcq";  // tcq: the grid's stream through the trellis
+  const int kind = kind_name == "tcq" ? kRansTcq : grid ? kRansGrid : int(marlin::kFp4);
+  const int symbols = grid ? 256 : 16, prob_bits = 12;
   std::vector<int> codes(k * n);
   for (int& c : codes) {
     const double u = uniform() + uniform() + uniform() - 1.5;

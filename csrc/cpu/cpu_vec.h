@@ -21,6 +21,8 @@
 //                           MARLIN_KERNEL_AVX512), or on 256-bit registers in an
 //                           AVX2 build (AVX-VNNI, or AVX512-VNNI with AVX512-VL)
 //   MARLIN_KERNEL_DOTPROD   Arm dot product (sdot) for int8 dot products
+//   MARLIN_KERNEL_VBMI2     AVX512-VBMI2 (with MARLIN_KERNEL_AVX512): the rans
+//                           decode's vpexpandw and vpshrdvw
 //   MARLIN_VECTOR_BYTES     the vector width, if not the build's register width
 #pragma once
 #include <stdint.h>
@@ -43,6 +45,9 @@
 #endif
 #ifndef MARLIN_KERNEL_DOTPROD
 #define MARLIN_KERNEL_DOTPROD 0
+#endif
+#ifndef MARLIN_KERNEL_VBMI2
+#define MARLIN_KERNEL_VBMI2 0
 #endif
 #define MARLIN_KERNEL_F16C (MARLIN_KERNEL_AVX2 || MARLIN_KERNEL_AVX512)
 #if MARLIN_KERNEL_AVX512 || MARLIN_KERNEL_AVX2

@@ -30,7 +30,7 @@ struct Build {
 
 // Best first; the automatic choice is the first one this CPU runs.
 const Build kBuilds[] = {
-    {"avx512_bf16", &avx512_bf16::kernels, "avx512f avx512bw avx512vl avx512dq avx512bf16 avx512vbmi avx512vnni fma f16c"},
+    {"avx512_bf16", &avx512_bf16::kernels, "avx512f avx512bw avx512vl avx512dq avx512bf16 avx512vbmi avx512vbmi2 avx512vnni fma f16c"},
     {"avx512", &avx512::kernels, "avx512f avx512bw avx512vl avx512dq fma f16c"},
     {"avx2", &avx2::kernels, "avx2 fma f16c"},
     {"neon_bf16", &neon_bf16::kernels, "bf16 dotprod"},
@@ -45,7 +45,7 @@ bool cpu_has(const std::string& feature) {
 #define MARLIN_FEATURE(name) \
   if (feature == #name) return __builtin_cpu_supports(#name);
   MARLIN_FEATURE(avx512f) MARLIN_FEATURE(avx512bw) MARLIN_FEATURE(avx512vl) MARLIN_FEATURE(avx512dq)
-  MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx512vnni) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
+  MARLIN_FEATURE(avx512bf16) MARLIN_FEATURE(avx512vbmi) MARLIN_FEATURE(avx512vbmi2) MARLIN_FEATURE(avx512vnni) MARLIN_FEATURE(avx2) MARLIN_FEATURE(fma)
 #undef MARLIN_FEATURE
   unsigned eax, ebx, ecx, edx;
   if (feature == "f16c")  // not a name Clang's __builtin_cpu_supports knows

@@ -4,15 +4,19 @@
 // namespace, on its pieces: vectors, value formats (FormatDecode through
 // table_nibble), group_dot / group_weight, gemm_tiles and gemm_tiles_dot.
 //
-// The 32 lanes of a chunk decode in lockstep, kRansVectors vectors of kLanes:
-// per step each lane looks its slot up in the per-call slot table (a gather
-// on AVX-512, one load per lane elsewhere), updates its state, and the
-// lanes whose state fell below 2^16 take the next words of the chunk's shared
-// stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a 256-entry table
-// of the 8-lane prefix sums; elsewhere one lane after the other). Lane l of
-// column block b is output column 32 b + l, so x[k] multiplies a whole vector
-// of decoded weights as one broadcast. "tcq" symbols take their value through
-// each lane's trellis state, kept next to its rANS state (rans_value).
+// The 32 lanes of a chunk decode in lockstep. With few symbols (up to 64),
+// AVX-512 builds keep the tables in registers and a chunk's states as two
+// vectors of 16-bit words (RansPlanes: all 32 lanes in each instruction).
+// Otherwise the lanes are kRansVectors vectors of kLanes 32-bit states
+// (RansLanes): per step each lane looks its slot up in the per-call slot
+// table (a gather on AVX-512, one load per lane elsewhere), updates its state,
+// and the lanes whose state fell below 2^16 take the next words of the
+// chunk's shared stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a
+// 256-entry table of the 8-lane prefix sums; elsewhere one lane after the
+// other). Lane l of column block b is output column 32 b + l, so x[k]
+// multiplies a whole vector of decoded weights as one broadcast. "tcq"
+// symbols take their value through each lane's trellis state, kept next to
+// its rANS state.
 
 #include "cpu/rans_kernel_args.h"
 
@@ -43,7 +47,6 @@ inline vu load_u(const uint32_t* p) {
   memcpy(&v, p, sizeof(v));
   return v;
 }
-inline void store_u(uint32_t* p, vu v) { memcpy(p, &v, sizeof(v)); }
 
 inline void rans_start(const RansArgs& a, int64_t chunk, RansLanes& d) {
   for (int v = 0; v < kRansVectors; ++v) {
@@ -180,14 +183,10 @@ struct RansTable {
   }
 
 #if MARLIN_KERNEL_AVX512
-  // Registers: each lane's index into the register tables (word 2 l + v: lane l
-  // of vector v), with freq and slot - cum of its slot.
-  MARLIN_RANS_INLINE __m512i lookup_index(const vu* slot, vu* freq_out, vu* bias_out) const {
-    static_assert(kRansVectors == 2, "the 32 lanes as the 16-bit words of one vector");
-    // Word 2 l + v: slot of lane l of vector v (below 2^15). Then the last cum
-    // at or below the slot, searched from its (sub-)bucket's first symbol; the
-    // gathers this replaces were the decode's slowest part.
-    const __m512i s = _mm512_mask_blend_epi16(0xAAAAAAAAu, (__m512i)slot[0], (__m512i)(slot[1] << 16));
+  // The table index of each word's slot s, with its freq and slot - cum: the
+  // last cum at or below the slot, searched from its (sub-)bucket's first
+  // symbol; the gathers this replaces were the decode's slowest part.
+  MARLIN_RANS_INLINE __m512i lookup_words(__m512i s, __m512i* freq_out, __m512i* bias_out) const {
     __m512i index = _mm512_permutex2var_epi16(bucket[0], _mm512_srli_epi16(s, bucket_shift), bucket[1]);
     if (has_split) {  // (a branch taken the same way all call long)
       // (vpermi2w takes the low 6 bits of the index: rans_kernel_args.h's split[... & 63])
@@ -201,23 +200,14 @@ struct RansTable {
     };
     if (levels == 2) level(2);
     if (levels >= 1) level(1);
-    const vu b = (vu)_mm512_sub_epi16(s, _mm512_permutex2var_epi16(cum[0], index, cum[1]));
-    const vu f = (vu)_mm512_permutex2var_epi16(freq[0], index, freq[1]);
-    freq_out[0] = f & 0xFFFF, freq_out[1] = f >> 16;
-    bias_out[0] = b & 0xFFFF, bias_out[1] = b >> 16;
+    *bias_out = _mm512_sub_epi16(s, _mm512_permutex2var_epi16(cum[0], index, cum[1]));
+    *freq_out = _mm512_permutex2var_epi16(freq[0], index, freq[1]);
     return index;
   }
 #endif
 
   // Symbol, freq and slot - cum of each lane's slot, for the kRansVectors vectors of a chunk.
   MARLIN_RANS_INLINE void lookup(const vu* slot, vu* sym_out, vu* freq_out, vu* bias_out) const {
-#if MARLIN_KERNEL_AVX512
-    if constexpr (Lookup == kLookupRegisters) {
-      const vu y = (vu)_mm512_permutex2var_epi16(sym[0], lookup_index(slot, freq_out, bias_out), sym[1]);
-      sym_out[0] = y & 0xFFFF, sym_out[1] = y >> 16;
-      return;
-    }
-#endif
     for (int v = 0; v < kRansVectors; ++v) {
       const vu e = rans_gather(table, slot[v]);
       if constexpr (Lookup == kLookupTwoTables) {
@@ -255,15 +245,184 @@ MARLIN_RANS_INLINE void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* 
 }
 
 #if MARLIN_KERNEL_AVX512
-// rans_step on the register tables, giving each lane's table index (lookup_index's words).
-MARLIN_RANS_INLINE __m512i rans_step_index(RansLanes& d, const RansTable<kLookupRegisters>& t) {
-  const uint32_t mask = (1u << t.prob_bits) - 1;
-  vu slot[kRansVectors], freq[kRansVectors], bias[kRansVectors];
-  for (int v = 0; v < kRansVectors; ++v) slot[v] = d.x[v] & mask;
-  const __m512i index = t.lookup_index(slot, freq, bias);
-  rans_advance(d, t.prob_bits, freq, bias);
+// AVX-512's register lookup keeps a chunk's 32 states as two vectors of 16-bit
+// words, word l = lane l: their high and low halves. The slot is then one
+// and; a refill one vpexpandw (VBMI2) of the next words into the low halves
+// and a masked move of the low halves into the high ones, for all 32 lanes at
+// once; the update three 16-bit multiplies. Against two vectors of 32-bit
+// states this took the tile fill from 4.7-4.9 to 3.3-3.5 ms (docs/CPU.md).
+struct RansPlanes {
+  __m512i hi, lo;
+  __m512i trellis_high, trellis_low;  // tcq only (bit 0 of each word; optimized away for other kinds)
+  const uint16_t* ptr;  // next word of the chunk
+  const uint16_t* end;  // its end: never read at or past it
+  uint32_t bad;         // a lane wanted a word past the end
+};
+
+struct WordIndex {  // vpermt2w / vpermw indices
+  uint16_t iota[32], even[32], odd[32], pair_lo[32], pair_hi[32];
+  constexpr WordIndex() : iota(), even(), odd(), pair_lo(), pair_hi() {
+    for (int i = 0; i < 32; ++i) {
+      iota[i] = uint16_t(i), even[i] = uint16_t(2 * i), odd[i] = uint16_t(2 * i + 1);
+      // dword l of pair_words' two vectors: words l (16 + l) of a, then of b
+      pair_lo[i] = uint16_t(i % 2 ? 32 + i / 2 : i / 2), pair_hi[i] = uint16_t(16 + pair_lo[i]);
+    }
+  }
+};
+alignas(64) constexpr WordIndex kWordIndex;
+
+inline __m512i word_index(const uint16_t* p) { return _mm512_load_si512(p); }
+
+// Dwords a[l] | b[l] << 16: lanes 0-15 into out[0], 16-31 into out[1].
+MARLIN_RANS_INLINE void pair_words(__m512i a, __m512i b, vf* out) {
+  out[0] = (vf)_mm512_permutex2var_epi16(a, word_index(kWordIndex.pair_lo), b);
+  out[1] = (vf)_mm512_permutex2var_epi16(a, word_index(kWordIndex.pair_hi), b);
+}
+
+inline void rans_start(const RansArgs& a, int64_t chunk, RansPlanes& d) {
+  const uint32_t* s = a.states + chunk * kRansBlockCols;
+  const __m512i s0 = _mm512_loadu_si512(s), s1 = _mm512_loadu_si512(s + kLanes);
+  d.lo = _mm512_permutex2var_epi16(s0, word_index(kWordIndex.even), s1);
+  d.hi = _mm512_permutex2var_epi16(s0, word_index(kWordIndex.odd), s1);
+  d.trellis_high = d.trellis_low = _mm512_setzero_si512();  // every chunk starts at trellis state 0
+  d.ptr = a.words + a.word_offsets[chunk];
+  d.end = a.words + a.word_offsets[chunk + 1];
+  d.bad = 0;
+}
+
+inline uint32_t rans_finish(const RansPlanes& d) {
+  const __mmask32 off = _mm512_cmpneq_epi16_mask(d.hi, _mm512_set1_epi16(1)) | _mm512_test_epi16_mask(d.lo, d.lo);
+  return d.bad | (d.ptr != d.end) | (off != 0);
+}
+
+// One step of the 32 lanes: each lane's index into the register tables.
+MARLIN_RANS_INLINE __m512i rans_step_index(RansPlanes& d, const RansTable<kLookupRegisters>& t) {
+  const int p = t.prob_bits;
+  __m512i freq, bias;
+  const __m512i index = t.lookup_words(_mm512_and_si512(d.lo, _mm512_set1_epi16(short((1u << p) - 1))), &freq, &bias);
+  // q = x >> p = qh 2^16 + ql; freq q = freq ql + (freq qh) 2^16 with freq qh < 2^16 (freq q < 2^32)
+#if MARLIN_KERNEL_VBMI2
+  const __m512i ql = _mm512_shrdv_epi16(d.lo, d.hi, _mm512_set1_epi16(short(p)));
+#else
+  const __m512i ql = _mm512_or_si512(_mm512_srl_epi16(d.lo, _mm_cvtsi32_si128(p)),
+                                     _mm512_sll_epi16(d.hi, _mm_cvtsi32_si128(16 - p)));
+#endif
+  const __m512i qh = _mm512_srl_epi16(d.hi, _mm_cvtsi32_si128(p));
+  const __m512i product_lo = _mm512_mullo_epi16(freq, ql);
+  const __m512i lo = _mm512_add_epi16(product_lo, bias);
+  // The carry of that add: the top bit of majority(product_lo, bias, ~lo).
+  const __m512i carry = _mm512_srli_epi16(_mm512_ternarylogic_epi32(product_lo, bias, lo, 0xD4), 15);
+  const __m512i hi =
+      _mm512_add_epi16(_mm512_add_epi16(_mm512_mulhi_epu16(freq, ql), _mm512_mullo_epi16(freq, qh)), carry);
+  // Refills in lane order: x = x << 16 | word where the high half is 0.
+  const __mmask32 need = _mm512_testn_epi16_mask(hi, hi);
+  const int64_t left = d.end - d.ptr;
+  int64_t count = __builtin_popcount(need);
+  __m512i words;
+  if (left >= kRansBlockCols) {  // (nearly always)
+    words = _mm512_loadu_si512(d.ptr);
+  } else {  // the chunk's last words: a masked load never reads past them
+    words = _mm512_maskz_loadu_epi16(__mmask32((uint64_t(1) << (left > 0 ? left : 0)) - 1), d.ptr);
+    if (count > left) {
+      d.bad = 1;
+      count = left;
+    }
+  }
+  d.ptr += count;
+  d.hi = _mm512_mask_mov_epi16(hi, need, lo);
+#if MARLIN_KERNEL_VBMI2
+  d.lo = _mm512_mask_expand_epi16(lo, need, words);
+#else  // lanes 0-15, then 16-31 from the word after theirs, as dwords
+  const __mmask16 need_lo = __mmask16(need), need_hi = __mmask16(need >> 16);
+  const __m512i first = _mm512_maskz_expand_epi32(need_lo, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words)));
+  const __m512i from =
+      _mm512_add_epi16(word_index(kWordIndex.iota), _mm512_set1_epi16(short(__builtin_popcount(need_lo))));
+  const __m512i rest = _mm512_permutexvar_epi16(from, words);
+  const __m512i second = _mm512_maskz_expand_epi32(need_hi, _mm512_cvtepu16_epi32(_mm512_castsi512_si256(rest)));
+  d.lo = _mm512_mask_mov_epi16(lo, need, _mm512_permutex2var_epi16(first, word_index(kWordIndex.even), second));
+#endif
   return index;
 }
+
+// The register tables' values: per index, the high and the low 16 bits of
+// its fp32 value (tcq: its level in the trellis' even states, and in the odd
+// ones), as words 0-31 and 32-63 of two vectors each.
+template <int Kind>
+struct RansWordValues {
+  __m512i high[2], low[2], odd_high[2];
+  bool exact;  // every value exact in bf16: no low halves
+
+  explicit RansWordValues(const RansArgs& a) {
+    alignas(64) uint16_t bits[3][kRansRegisterSymbols];
+    exact = true;
+    for (int i = 0; i < kRansRegisterSymbols; ++i) {
+      const int sym = a.registers.sym[i], k = sym - 128;
+      float value, odd = 0;  // rans_value's (table_nibble reads the code's low 4 bits)
+      if constexpr (Kind == kRansGrid) value = float(k);
+      else if constexpr (Kind == kRansTcq) value = float(2 * k), odd = float(2 * k - (k > 0) + (k < 0));
+      else value = code_value<Kind>(sym & 15);
+      const uint32_t u = __builtin_bit_cast(uint32_t, value);
+      bits[0][i] = uint16_t(u >> 16), bits[1][i] = uint16_t(u), bits[2][i] = uint16_t(__builtin_bit_cast(uint32_t, odd) >> 16);
+      exact &= (u & 0xFFFF) == 0;
+    }
+    for (int h = 0; h < 2; ++h) {
+      high[h] = _mm512_load_si512(bits[0] + 32 * h);
+      low[h] = _mm512_load_si512(bits[1] + 32 * h);
+      odd_high[h] = _mm512_load_si512(bits[2] + 32 * h);
+    }
+  }
+};
+
+// One step of a chunk's lanes: the high halves of their values' fp32 (the
+// bf16 bits), and their low halves into *low if low is given.
+template <int Kind>
+MARLIN_RANS_INLINE __m512i rans_words(RansPlanes& d, const RansTable<kLookupRegisters>& t,
+                                      const RansWordValues<Kind>& w, __m512i* low) {
+  const __m512i index = rans_step_index(d, t);
+  __m512i high = _mm512_permutex2var_epi16(w.high[0], index, w.high[1]);
+  if constexpr (Kind == kRansTcq) {  // (high, low) = (low ^ s, high); k & 1 == s & 1
+    const __mmask32 odd = _mm512_test_epi16_mask(d.trellis_high, _mm512_set1_epi16(1));
+    high = _mm512_mask_blend_epi16(odd, high, _mm512_permutex2var_epi16(w.odd_high[0], index, w.odd_high[1]));
+    const __m512i next = _mm512_xor_si512(d.trellis_low, _mm512_permutex2var_epi16(t.sym[0], index, t.sym[1]));
+    d.trellis_low = d.trellis_high, d.trellis_high = next;
+  }
+  if (low) *low = w.exact ? _mm512_setzero_si512() : _mm512_permutex2var_epi16(w.low[0], index, w.low[1]);
+  return high;
+}
+
+// rans_values (below) on the register lookup.
+template <int Kind, bool Pair, int Blocks>
+MARLIN_RANS_INLINE void rans_values(RansPlanes* d, int blocks, const RansTable<kLookupRegisters>& t,
+                                    const RansWordValues<Kind>& w, vf* out) {
+  __m512i first[Blocks], second[Blocks];
+  _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j)
+    first[j] = j < blocks ? rans_words<Kind>(d[j], t, w, Pair ? nullptr : &second[j]) : _mm512_setzero_si512();
+  if constexpr (Pair) {  // all blocks' first steps, then their second: 4.0 -> 3.2 ms against block by block
+    _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j)
+      second[j] = j < blocks ? rans_words<Kind>(d[j], t, w, nullptr) : _mm512_setzero_si512();
+    for (int j = 0; j < Blocks; ++j) pair_words(first[j], second[j], out + j * kRansVectors);
+  } else {
+    for (int j = 0; j < Blocks; ++j)
+      pair_words(j < blocks ? second[j] : _mm512_setzero_si512(), first[j], out + j * kRansVectors);
+  }
+}
+#endif
+
+// A chunk's lanes and (register lookup) the values of its table indices, by lookup.
+struct NoWordValues {
+  explicit NoWordValues(const RansArgs&) {}
+};
+template <int Kind, int Lookup>
+struct RansLookupTypes {
+  using Lanes = RansLanes;
+  using Values = NoWordValues;
+};
+#if MARLIN_KERNEL_AVX512
+template <int Kind>
+struct RansLookupTypes<Kind, kLookupRegisters> {
+  using Lanes = RansPlanes;
+  using Values = RansWordValues<Kind>;
+};
 #endif
 
 // tcq's level j = 2k - high sign(k) (high: bit 0 of the state's high vector).
@@ -296,6 +455,31 @@ inline vf rans_value(vu sym, TcqTrellis& trellis) {
   }
 }
 
+// The values of one step of Blocks chunks' lanes (those past `blocks` zero),
+// kRansVectors vectors per chunk: fp32; Pair: two steps' (K rows k and k + 1)
+// as bf16 pairs, k's in the low half (the values are exact in bf16 where bf16 x
+// takes them). Here the lanes of the gather lookups.
+template <int Kind, bool Pair, int Blocks, int Lookup>
+MARLIN_RANS_INLINE void rans_values(RansLanes* d, int blocks, const RansTable<Lookup>& t, const NoWordValues&, vf* out) {
+  _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j) {  // constant indices: d stays in registers
+    vu sym[kRansVectors];
+    if (j < blocks) rans_step(d[j], t, sym);
+    for (int v = 0; v < kRansVectors; ++v)
+      out[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
+  }
+  if constexpr (Pair) {
+    _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j) {
+      vu sym[kRansVectors];
+      if (j < blocks) rans_step(d[j], t, sym);
+      for (int v = 0; v < kRansVectors; ++v) {
+        const vf second = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
+        vf& first = out[j * kRansVectors + v];
+        first = (vf)(((vu)first >> 16) | ((vu)second & 0xFFFF0000u));
+      }
+    }
+  }
+}
+
 // Scales (and zeros) of group g for `cols` columns from n0, zero-padded to `width`.
 template <int F>
 inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t cols, int width, float* scale,
@@ -305,24 +489,24 @@ inline void load_group(const GemmArgs& g, int64_t group, int64_t n0, int64_t col
 }
 
 // ---------------------------------------------------------------------------
-// Fused GEMV: kRansGemvBlocks<Kind> column blocks decode in lockstep
+// Fused GEMV: kRansGemvBlocks<Kind, Lookup> column blocks decode in lockstep
 // (independent state chains, so that one chain's lookup and multiply latency
 // hides behind the others': on avx512 at M = 1, 4 blocks were 1.15-1.2x
-// faster than 2, except for tcq, whose trellis states need the registers;
-// on avx2, with 16 registers, 4 were no faster);
+// faster than 2, except for tcq on 32-bit lanes, whose trellis states need
+// the registers; on avx2, with 16 registers, 4 were no faster);
 // each symbol is decoded once in registers and multiplied into
 // MR rows. Per group the sums take the dense GEMV's order (x[k] * value in K
 // order, then group_dot), so the lossless results equal the dense op's bit for
 // bit. Dot: bf16 x as pairs, as the dense bf16 GEMV.
 
-template <int Kind>
-constexpr int kRansGemvBlocks = MARLIN_KERNEL_AVX512 && Kind != kRansTcq ? 4 : 2;
+template <int Kind, int Lookup>
+constexpr int kRansGemvBlocks = MARLIN_KERNEL_AVX512 && (Kind != kRansTcq || Lookup == kLookupRegisters) ? 4 : 2;
 
 template <int Kind, int Lookup, bool Dot, int MR>
 uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int blocks, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   constexpr int F = Kind;  // has_zeros / zeros_are_bias: false for the grid
-  constexpr int kBlocks = kRansGemvBlocks<Kind>, kVectors = kBlocks * kRansVectors;
+  constexpr int kBlocks = kRansGemvBlocks<Kind, Lookup>, kVectors = kBlocks * kRansVectors;
   constexpr int kCols = kBlocks * kRansBlockCols;
   const GemmArgs& g = a.gemm;
   const int64_t n0 = b0 * kRansBlockCols, cols = a.n - n0 < kCols ? a.n - n0 : kCols;
@@ -334,10 +518,11 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < kVectors; ++v) acc[i][v] = part[i][v] = vf{};
   const RansTable<Lookup> table(a);
+  const typename RansLookupTypes<Kind, Lookup>::Values words(a);
   uint32_t bad = 0;
   int64_t loaded = -1;
   for (int64_t c = c0; c < c1; ++c) {
-    RansLanes d[kBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
+    typename RansLookupTypes<Kind, Lookup>::Lanes d[kBlocks] = {};  // zeroed: GCC cannot tell that those past `blocks` go unused
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)  // constant indices (here and below): d stays in registers
       if (j < blocks) rans_start(a, (b0 + j) * a.kchunks + c, d[j]);
     const int64_t k_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
@@ -349,24 +534,10 @@ uint32_t rans_gemv_rows(const RansArgs& a, int64_t m0, int rows, int64_t b0, int
         loaded = group;
       }
       for (; k < seg_end; k += Dot ? 2 : 1) {
-        vf value[kVectors];
-        _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
-          vu sym[kRansVectors];
-          if (j < blocks) rans_step(d[j], table, sym);
-          for (int v = 0; v < kRansVectors; ++v)
-            value[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
-        }
+        vf value[kVectors];  // Dot: bf16 pairs of K rows k, k + 1
+        rans_values<Kind, Dot, kBlocks>(d, blocks, table, words, value);
 #if MARLIN_KERNEL_BF16_DOT
-        if constexpr (Dot) {  // K rows k, k + 1 as bf16 pairs (the values are exact in bf16)
-          _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
-            vu sym[kRansVectors];
-            if (j < blocks) rans_step(d[j], table, sym);
-            for (int v = 0; v < kRansVectors; ++v) {
-              const vf second = j < blocks ? rans_value<Kind>(sym[v], d[j].trellis[v]) : vf{};
-              vf& first = value[j * kRansVectors + v];
-              first = (vf)(((vu)first >> 16) | ((vu)second & 0xFFFF0000u));
-            }
-          }
+        if constexpr (Dot) {
           for (int i = 0; i < MR; ++i) {
             const vf xs = splat_bits(g.x_bf16 + row[i] * a.k + k);
             for (int v = 0; v < kVectors; ++v) part[i][v] = dot_pairs(part[i][v], value[v], xs);
@@ -404,7 +575,7 @@ template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
                         float* out, int64_t ldo) {
   uint32_t bad = 0;
-  constexpr int kBlocks = kRansGemvBlocks<Kind>;
+  constexpr int kBlocks = kRansGemvBlocks<Kind, Lookup>;
   for (int64_t b = b0; b < b1; b += kBlocks) {
     const int blocks = int(b1 - b < kBlocks ? b1 - b : kBlocks);
     for (int64_t m = m0; m < m1; m += kMaxRows) {
@@ -427,60 +598,37 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 // Tiled GEMM: the dense gemm_tiles (or gemm_tiles_dot) on Tiles tiles side by
 // side that this fill decodes from the chunks of column blocks nb / 32 ...
 // nb / 32 + 2 Tiles - 1 in lockstep, one tile row after the other (the lanes'
-// states carry over between tiles). Tiles = 2 on AVX-512's register lookup
-// (but tcq): 4 independent state chains, as the GEMV's 4 blocks.
+// states carry over between tiles). Tiles = 2 on AVX-512's register lookup:
+// 4 independent state chains, as the GEMV's 4 blocks (with 2 the fill took
+// 4.7-4.9 ms against 3.3, tcq 5.8 against 4.7).
 
 template <int Kind, int Lookup>
-constexpr int kRansFillTiles = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters && Kind != kRansTcq ? 2 : 1;
+constexpr int kRansFillTiles = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters ? 2 : 1;
 
 template <int Kind, int Lookup, bool Dot, int Tiles>
 struct RansTileFill {
   static constexpr int F = Kind;
   static constexpr int kCols = Tiles * kTileCols;
   static constexpr int kBlocks = kCols / kRansBlockCols;
-  // AVX-512 register lookup of a value kind: each index's value as bf16 bits
-  // by one more vpermi2w, for the 32 lanes at once (instead of the symbol's
-  // split into two vectors, then its value and, for Dot, the bf16 pairing).
-  static constexpr bool kValueWords = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters && Kind != kRansTcq;
+  using Lanes = typename RansLookupTypes<Kind, Lookup>::Lanes;
   const RansArgs& a;
   const RansTable<Lookup> table;
+  const typename RansLookupTypes<Kind, Lookup>::Values words;
   int64_t nb;
   int blocks;             // column blocks of the tiles inside N (1 ... kBlocks)
-  RansLanes d[kBlocks] = {};
+  Lanes d[kBlocks] = {};
   int64_t chunk_end = 0;  // K row where the current chunk ends
   int64_t group = -1;
   uint32_t bad = 0;
-  bool value_words = false;  // kValueWords, and (fp32 tiles) every value exact in bf16
   alignas(64) float scale[kCols], zero[kCols];
-#if MARLIN_KERNEL_AVX512
-  __m512i value_bits[2];  // words 0-31, 32-63: the high 16 bits of each index's fp32 value
-#endif
 
-  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), table(args), nb(nb_) {
+  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), table(args), words(args), nb(nb_) {
     const int64_t b0 = nb / kRansBlockCols;
     blocks = int(a.blocks - b0 < kBlocks ? a.blocks - b0 : kBlocks);
-#if MARLIN_KERNEL_AVX512
-    if constexpr (kValueWords) {
-      alignas(64) uint16_t bits[kRansRegisterSymbols];
-      bool exact = true;
-      for (int i = 0; i < kRansRegisterSymbols; ++i) {
-        const int sym = a.registers.sym[i];
-        float value;  // rans_value's (table_nibble reads the code's low 4 bits)
-        if constexpr (Kind == kRansGrid) value = float(sym - 128);
-        else value = code_value<Kind>(sym & 15);
-        uint32_t u;
-        memcpy(&u, &value, sizeof(u));
-        bits[i] = uint16_t(u >> 16);  // Dot tiles take these bits, as the pairing of fp32 values did
-        exact &= (u & 0xFFFF) == 0;
-      }
-      for (int h = 0; h < 2; ++h) value_bits[h] = _mm512_loadu_si512(bits + 32 * h);
-      value_words = Dot || exact;
-    }
-#endif
   }
 
   // Chunk boundaries before K row k.
-  MARLIN_RANS_INLINE void start_row(RansLanes* lanes, int64_t k) {
+  MARLIN_RANS_INLINE void start_row(Lanes* lanes, int64_t k) {
     if (k != chunk_end) return;
     const int64_t c = k / a.chunk_k;
     _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
@@ -491,77 +639,26 @@ struct RansTileFill {
     chunk_end = (c + 1) * a.chunk_k < a.k ? (c + 1) * a.chunk_k : a.k;
   }
 
-  // The decoded values of the tile's columns at the next K row k. The lanes
-  // are the caller's local copy of d, indexed by constants only (every loop
-  // over blocks unrolls), so that they live in registers.
-  MARLIN_RANS_INLINE void step(RansLanes* lanes, int64_t k, vf* values) {
-    start_row(lanes, k);
-    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j) {
-      vu sym[kRansVectors];
-      if (j < blocks) rans_step(lanes[j], table, sym);
-      for (int v = 0; v < kRansVectors; ++v)
-        values[j * kRansVectors + v] = j < blocks ? rans_value<Kind>(sym[v], lanes[j].trellis[v]) : vf{};
-    }
-  }
-
-#if MARLIN_KERNEL_AVX512
-  // kValueWords: the bf16 bits of each block's values at K row k (word 2 l + v: column 32 j + 16 v + l).
-  MARLIN_RANS_INLINE void step_words(RansLanes* lanes, int64_t k, __m512i* words) {
-    start_row(lanes, k);
-    _Pragma("GCC unroll 4") for (int j = 0; j < kBlocks; ++j)
-      words[j] = j < blocks ? _mm512_permutex2var_epi16(value_bits[0], rans_step_index(lanes[j], table), value_bits[1])
-                            : _mm512_setzero_si512();
-  }
-#endif
-
   // Column col's place in the tiles (row 0).
   static float* at(float* tile, int col) { return tile + col / kTileCols * (kTileRows * kTileCols) + col % kTileCols; }
 
+  // Tile rows k0 ... k0 + rows - 1 (Dot: pair rows, as gemm_tiles_dot takes them; the scale is
+  // applied per group there). The lanes are a local copy of d, indexed by constants only (every
+  // loop over blocks unrolls), so that they live in registers.
   void operator()(int64_t k0, int64_t rows, float* tile) {
     const GemmArgs& g = a.gemm;
     const int64_t cols = a.n - nb < kCols ? a.n - nb : kCols;
-    RansLanes lanes[kBlocks] = {};
+    Lanes lanes[kBlocks];
     for (int j = 0; j < kBlocks; ++j) lanes[j] = d[j];
-    vf values[kCols / kLanes];
     for (int64_t r = 0; r < rows; r += Dot ? 2 : 1) {
       const int64_t k = k0 + r;
-#if MARLIN_KERNEL_AVX512
-      if constexpr (kValueWords) {
-        if (value_words) {  // (the same way all call long)
-          __m512i first[kBlocks];
-          step_words(lanes, k, first);
-          if constexpr (Dot) {  // pair row r / 2: lane l of vector v = (value at k, value at k + 1)
-            __m512i second[kBlocks];
-            step_words(lanes, k + 1, second);
-            for (int j = 0; j < kBlocks; ++j) {
-              float* dst = at(tile, j * kRansBlockCols) + r / 2 * kTileCols;
-              _mm512_storeu_si512(dst, _mm512_mask_blend_epi16(0xAAAAAAAAu, first[j], _mm512_slli_epi32(second[j], 16)));
-              _mm512_storeu_si512(dst + kLanes, _mm512_mask_blend_epi16(0xAAAAAAAAu, _mm512_srli_epi32(first[j], 16), second[j]));
-            }
-            continue;
-          }
-          for (int j = 0; j < kBlocks; ++j) {
-            values[j * kRansVectors] = (vf)_mm512_slli_epi32(first[j], 16);
-            values[j * kRansVectors + 1] = (vf)_mm512_and_si512(first[j], _mm512_set1_epi32(int(0xFFFF0000u)));
-          }
-        } else {
-          step(lanes, k, values);
-        }
-      } else
-#endif
-      {
-        step(lanes, k, values);
-      }
-#if MARLIN_KERNEL_BF16_DOT
-      if constexpr (Dot) {  // pair row r / 2: K rows k, k + 1 (the scale is applied per group by gemm_tiles_dot)
-        vf second[kCols / kLanes];
-        step(lanes, k + 1, second);
-        for (int q = 0; q < kCols / kLanes; ++q)
-          store(at(tile, q * kLanes) + r / 2 * kTileCols,
-                (vf)(((vu)values[q] >> 16) | ((vu)second[q] & 0xFFFF0000u)));
+      start_row(lanes, k);  // (chunk_k is a multiple of 32: k + 1 starts none)
+      vf values[kCols / kLanes];
+      rans_values<Kind, Dot, kBlocks>(lanes, blocks, table, words, values);
+      if constexpr (Dot) {
+        for (int q = 0; q < kCols / kLanes; ++q) store(at(tile, q * kLanes) + r / 2 * kTileCols, values[q]);
         continue;
       }
-#endif
       if (k / g.group_rows != group) {
         group = k / g.group_rows;
         load_group<F>(g, group, nb, cols, kCols, scale, zero);
@@ -649,15 +746,24 @@ uint32_t rans_gemm_tile(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, f
 template <int Lookup>
 uint32_t rans_decode_chunk_impl(const RansArgs& a, int64_t c, uint8_t* out, int64_t ldo, int64_t cols) {
   const RansTable<Lookup> table(a);
-  RansLanes d;
+  typename RansLookupTypes<kRansGrid, Lookup>::Lanes d;
   rans_start(a, c, d);
   const int64_t k0 = (c % a.kchunks) * a.chunk_k, k1 = k0 + a.chunk_k < a.k ? k0 + a.chunk_k : a.k;
-  alignas(64) uint32_t row[kRansBlockCols];
+  alignas(64) uint8_t row[kRansBlockCols];
   for (int64_t k = k0; k < k1; ++k) {
-    vu sym[kRansVectors];
-    rans_step(d, table, sym);
-    for (int v = 0; v < kRansVectors; ++v) store_u(row + v * kLanes, sym[v]);
-    for (int64_t l = 0; l < cols; ++l) out[(k - k0) * ldo + l] = uint8_t(row[l]);
+#if MARLIN_KERNEL_AVX512
+    if constexpr (Lookup == kLookupRegisters) {
+      const __m512i sym = _mm512_permutex2var_epi16(table.sym[0], rans_step_index(d, table), table.sym[1]);
+      _mm256_store_si256((__m256i*)row, _mm512_cvtepi16_epi8(sym));
+    } else
+#endif
+    {
+      vu sym[kRansVectors];
+      rans_step(d, table, sym);
+      for (int v = 0; v < kRansVectors; ++v)
+        for (int l = 0; l < kLanes; ++l) row[v * kLanes + l] = uint8_t(sym[v][l]);
+    }
+    memcpy(out + (k - k0) * ldo, row, cols);
   }
   return rans_finish(d);
 }
