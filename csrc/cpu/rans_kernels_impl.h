@@ -250,7 +250,7 @@ MARLIN_RANS_INLINE void rans_step(RansLanes& d, const RansTable<Lookup>& t, vu* 
 // and; a refill one vpexpandw (VBMI2) of the next words into the low halves
 // and a masked move of the low halves into the high ones, for all 32 lanes at
 // once; the update three 16-bit multiplies. Against two vectors of 32-bit
-// states this took the tile fill from 4.7-4.9 to 3.3-3.5 ms (docs/CPU.md).
+// states this took the tile fill from 4.7-4.8 to 3.2-3.4 ms (docs/CPU.md).
 struct RansPlanes {
   __m512i hi, lo;
   __m512i trellis_high, trellis_low;  // tcq only (bit 0 of each word; optimized away for other kinds)
@@ -394,16 +394,18 @@ MARLIN_RANS_INLINE __m512i rans_words(RansPlanes& d, const RansTable<kLookupRegi
 template <int Kind, bool Pair, int Blocks>
 MARLIN_RANS_INLINE void rans_values(RansPlanes* d, int blocks, const RansTable<kLookupRegisters>& t,
                                     const RansWordValues<Kind>& w, vf* out) {
-  __m512i first[Blocks], second[Blocks];
-  _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j)
-    first[j] = j < blocks ? rans_words<Kind>(d[j], t, w, Pair ? nullptr : &second[j]) : _mm512_setzero_si512();
+  __m512i first[Blocks], low[Blocks];
+  _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j) {
+    low[j] = _mm512_setzero_si512();
+    first[j] = j < blocks ? rans_words<Kind>(d[j], t, w, Pair ? nullptr : &low[j]) : _mm512_setzero_si512();
+  }
   if constexpr (Pair) {  // all blocks' first steps, then their second: 4.0 -> 3.2 ms against block by block
+    __m512i second[Blocks];
     _Pragma("GCC unroll 4") for (int j = 0; j < Blocks; ++j)
       second[j] = j < blocks ? rans_words<Kind>(d[j], t, w, nullptr) : _mm512_setzero_si512();
     for (int j = 0; j < Blocks; ++j) pair_words(first[j], second[j], out + j * kRansVectors);
   } else {
-    for (int j = 0; j < Blocks; ++j)
-      pair_words(j < blocks ? second[j] : _mm512_setzero_si512(), first[j], out + j * kRansVectors);
+    for (int j = 0; j < Blocks; ++j) pair_words(low[j], first[j], out + j * kRansVectors);
   }
 }
 #endif
@@ -602,7 +604,7 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 // 4 independent state chains, as the GEMV's 4 blocks (with 2 the fill took
 // 4.7-4.9 ms against 3.3, tcq 5.8 against 4.7).
 
-template <int Kind, int Lookup>
+template <int Lookup>
 constexpr int kRansFillTiles = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters ? 2 : 1;
 
 template <int Kind, int Lookup, bool Dot, int Tiles>
@@ -677,7 +679,7 @@ struct RansTileFill {
 // Columns [nb, nb + kRansGemmCols): one fill of kRansFillTiles tiles after the other.
 template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  constexpr int Tiles = kRansFillTiles<Kind, Lookup>;
+  constexpr int Tiles = kRansFillTiles<Lookup>;
   uint32_t bad = 0;
   for (int64_t n0 = nb; n0 < nb + kRansGemmCols && n0 < a.n; n0 += Tiles * kTileCols) {
     RansTileFill<Kind, Lookup, Dot, Tiles> fill(a, n0);
