@@ -1,8 +1,10 @@
 """The entropy-coded layout's CPU tile GEMM split into its parts, per kernel
 build: the tile fill (the decode) alone, and fill plus micro-kernels at M rows,
 on the kernels' entry points without torch (benchmarks/rans_fill.cpp; one
-thread, process CPU time, median of 9). Used in docs/CPU.md to find where the
-rans GEMM's time goes; bench_rans.py times the op against the dense one.
+thread, process CPU time, median of 9; rans_fill's JSON lines carry the
+minimum too, and it takes the grid's spread). Used in docs/CPU.md to find
+where the rans GEMM's time goes; bench_rans.py times the op against the
+dense one.
 
     python benchmarks/bench_rans_fill.py [--builds avx512_bf16,avx512,avx2] [--rows 32] [--weights fp4,grid,tcq]
 

@@ -287,9 +287,10 @@ def one_tail_freqs():
     return f
 
 
-# Tables that take each variant of the AVX-512 builds' lookup in registers
-# (rans_kernel_args.h; tests/cpu_kernels/check_rans_kernels.cpp checks the
-# variants of many more): (prob_bits, freqs, what it takes).
+# Tables that take each variant of the AVX-512 builds' lookup in registers and
+# of the AVX2 builds' byte tables (rans_kernel_args.h;
+# tests/cpu_kernels/check_rans_kernels.cpp checks the variants of many more):
+# (prob_bits, freqs, what it takes).
 LOOKUP_TABLES = [
     (12, tail_freqs(24, 20, 12), "64 symbols (the most), 2 halvings, split buckets of 16"),
     (12, tail_freqs(30, 18, 12), "66 symbols: the slot table"),
@@ -298,6 +299,10 @@ LOOKUP_TABLES = [
     (15, tail_freqs(20, 3, 15), "the most prob_bits: 2 halvings, split buckets of 16"),
     (13, one_tail_freqs(), "1 halving, one split bucket of 64"),
     (12, np.array([0] * 100 + [1024] * 4 + [0] * 152), "no search: one symbol per bucket"),
+    (12, tail_freqs(12, 2, 12), "AVX2 byte tables of 16 entries, 3 compares by table"),
+    (11, tail_freqs(10, 3, 11), "AVX2 byte tables of 16 entries, 2 split buckets"),
+    (12, tail_freqs(24, 2, 12), "AVX2 byte tables of 32 entries, 2 split buckets of 4 more compares (the most)"),
+    (12, tail_freqs(24, 3, 12), "AVX2: the slot table (a split bucket of 5 more compares)"),
 ]
 
 

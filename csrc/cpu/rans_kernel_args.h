@@ -148,6 +148,57 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
   return RansRegisterTable{};
 }
 
+// The AVX2 builds' lookup in byte tables (vpshufb takes 16-entry tables, two
+// of them 32 entries): at most 32 symbols, 32 buckets of the slot's top 5
+// bits. A lane's index is its bucket's first symbol's plus the number of cums
+// inside the bucket at or below its slot, compared on the slot's low bits (at
+// most 7: prob_bits at most 12) as bytes, 32 lanes per instruction: by table
+// (the first `boundaries` cums of every bucket, at most kRansByteBoundaries)
+// and, in up to kRansByteSplits buckets with more (a grid's tails: rare
+// symbols next to each other), against the rest of their cums, up to
+// kRansSplitBoundaries, by a table of the split bucket's number. fits: these
+// tables serve the symbols, and pay: a split bucket's cums take at most
+// kRansSplitCompares compares beyond the table's (bench_rans.py's Gaussian
+// grid needs 9, and showed no gain over the slot table: docs/CPU.md). Built
+// from the register table, so prob_bits 10 to 12.
+constexpr int kRansByteBuckets = 32;
+constexpr int kRansByteBoundaries = 3;
+constexpr int kRansByteSplits = 15;
+constexpr int kRansSplitBoundaries = 16;
+constexpr int kRansSplitCompares = 4;
+struct RansByteLayout {
+  bool fits = false;
+  int boundaries = 0;  // the most inside a bucket that is not split
+  int splits = 0;
+  int split_bucket[kRansByteSplits] = {};
+  int first[kRansByteBuckets] = {};  // index of the symbol of the bucket's first slot
+  int count[kRansByteBuckets] = {};  // cums inside the bucket
+  uint8_t inside[kRansByteBuckets][kRansSplitBoundaries] = {};  // their slot - bucket start - 1, ascending
+
+  RansByteLayout(const RansRegisterTable& r, int prob_bits) {
+    if (r.symbols == 0 || r.symbols > kRansByteBuckets || prob_bits < 5 || prob_bits > 12) return;
+    const uint32_t width = 1u << (prob_bits - 5);
+    for (int i = 1; i < r.symbols; ++i) {
+      const uint32_t b = r.cum[i] / width, at = r.cum[i] % width;
+      for (uint32_t later = b + (at != 0); later < kRansByteBuckets; ++later) first[later] = i;
+      if (at == 0) continue;  // a bucket's start: its first symbol
+      if (count[b] == kRansSplitBoundaries) return;
+      inside[b][count[b]++] = uint8_t(at - 1);
+    }
+    for (int b = 0; b < kRansByteBuckets; ++b) {
+      if (count[b] <= kRansByteBoundaries) {
+        boundaries = count[b] > boundaries ? count[b] : boundaries;
+        continue;
+      }
+      if (splits == kRansByteSplits) return;
+      split_bucket[splits++] = b;
+    }
+    for (int s = 0; s < splits; ++s)
+      if (count[split_bucket[s]] - boundaries > kRansSplitCompares) return;
+    fits = true;
+  }
+};
+
 struct RansArgs {
   const uint16_t* words;        // [W]: the chunks' 16-bit words, one after another
   const int32_t* word_offsets;  // [chunks + 1]

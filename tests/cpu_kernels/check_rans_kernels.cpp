@@ -153,9 +153,12 @@ struct Case {
   int64_t m, k, n, chunk_k, group_size;  // group_size -1: one group
   int used = 0;  // codes in [0, used) only, each at least once (0: every symbol possible)
   bool flat = false;  // codes uniform in [0, used): few symbols per bucket, the AVX-512 lookup in registers
+  double width = 0;   // peaked codes' width (0: spread / 5)
 };
 
 int failures = 0;
+// per case run: AVX2's byte tables (more than 16 symbols: their 32-entry tables) and their splits (-1: none)
+std::vector<std::pair<bool, int>> case_byte_tables;
 void fail(const std::string& what) {
   if (failures++ < 20) printf("FAIL %s\n", what.c_str());
 }
@@ -171,7 +174,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   const int spread = cs.used ? cs.used : symbols;
   for (int& c : codes) {  // peaked around the middle, or flat
     const double u = cs.flat ? uniform() - 0.5 : uniform() + uniform() + uniform() - 1.5;
-    c = std::min(spread - 1, std::max(0, int(spread / 2 + u * (cs.flat ? spread : spread / 5))));
+    c = std::min(spread - 1, std::max(0, int(spread / 2 + u * (cs.flat ? spread : cs.width ? cs.width : spread / 5))));
   }
   for (int i = 0; i < cs.used; ++i) codes[i * 7] = i;
   std::vector<uint16_t> scales(groups * n), zero(groups * n);
@@ -199,6 +202,8 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
 
   RansArgs a = stream_args(st, words, table, symbols, cs.kind, cs.prob_bits, k, n, cs.chunk_k);
   if (cs.flat && !a.registers.symbols) fail(std::to_string(cs.used) + " flat symbols have no register table");
+  const RansByteLayout byte_layout(a.registers, cs.prob_bits);
+  case_byte_tables.push_back({a.registers.symbols > 16, byte_layout.fits ? std::min(byte_layout.splits, 2) : -1});
   const int64_t chunks = a.blocks * a.kchunks;
   char what[200];
   snprintf(what, sizeof(what), "%s kind=%d p=%d m=%lld k=%lld n=%lld chunk_k=%lld g=%lld x=%s", name.c_str(), cs.kind,
@@ -333,9 +338,58 @@ std::vector<std::pair<int, int>> check_register_tables() {
   return seen;
 }
 
+// The AVX2 builds' byte tables (RansByteLayout) against the slot's symbol by
+// cums, for every slot of random tables: a scalar model of the kernel's
+// lookup (bucket's first index, its table compares, a split bucket's
+// compares). Returns the layouts seen: -1 (no byte tables) or the splits (3: 3 or more).
+std::vector<int> check_byte_tables() {
+  std::vector<int> seen;
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int prob_bits = 10 + trial % 3, m = 1 << prob_bits;  // the register table's, up to the byte tables' 12
+    const int symbols = 1 + int(next_u32() % std::min(40, m));
+    std::vector<uint16_t> freqs(256, 0);
+    const int offset = int(next_u32() % (256 - symbols + 1));
+    int total = 0;
+    for (int s = 0; s < symbols; ++s) {  // large frequencies among runs of tiny ones, or (one in 3) flat
+      const int f = trial % 3 == 0 ? m / symbols
+                    : next_u32() % 3 == 0 ? 1 + int(next_u32() % std::max(1, m / 8)) : 1 + int(next_u32() % 3);
+      freqs[offset + s] = uint16_t(std::max(1, std::min(f, m - total - (symbols - 1 - s))));
+      total += freqs[offset + s];
+    }
+    freqs[offset + int(next_u32() % symbols)] += uint16_t(m - total);
+    const RansRegisterTable t = build_rans_register_table(freqs.data(), 256, prob_bits);
+    const RansByteLayout b(t, prob_bits);
+    seen.push_back(b.fits ? std::min(b.splits, 3) : -1);
+    if (!b.fits) continue;
+    if (b.boundaries > kRansByteBoundaries) fail("byte tables: " + std::to_string(b.boundaries) + " boundaries");
+    const int shift = prob_bits - 5;
+    for (int slot = 0; slot < m; ++slot) {
+      const int bucket = slot >> shift, low = slot & ((1 << shift) - 1);
+      const bool split = b.count[bucket] > kRansByteBoundaries;
+      int index = b.first[bucket];
+      for (int j = 0; j < b.boundaries; ++j) index += low > (j < b.count[bucket] ? b.inside[bucket][j] : 127);
+      for (int j = b.boundaries; j < b.count[bucket] && split; ++j) index += low > b.inside[bucket][j];
+      if (split != (std::count(b.split_bucket, b.split_bucket + b.splits, bucket) == 1))
+        fail("byte tables: bucket " + std::to_string(bucket) + " split " + std::to_string(split) + " but listed otherwise");
+      if (!(index < t.symbols && t.cum[index] <= slot && slot < t.cum[index] + t.freq[index])) {
+        fail("byte tables: slot " + std::to_string(slot) + " of prob_bits " + std::to_string(prob_bits) + " finds index " +
+             std::to_string(index));
+        break;
+      }
+    }
+  }
+  return seen;
+}
+
 }  // namespace
 
 int main() {
+  {
+    const std::vector<int> seen = check_byte_tables();
+    for (int variant : {-1, 0, 1, 2, 3})
+      if (std::find(seen.begin(), seen.end(), variant) == seen.end())
+        fail("no random table had byte tables with " + std::to_string(variant) + " splits (-1: none, 3: 3 or more)");
+  }
   {
     const std::vector<std::pair<int, int>> seen = check_register_tables();
     for (std::pair<int, int> variant : {std::pair<int, int>{-1, 0}, {0, 4}, {1, 4}, {2, 4}, {1, 5}, {2, 5}, {1, 6}, {2, 6}})
@@ -359,6 +413,14 @@ int main() {
   for (int used : {kRansRegisterSymbols, kRansRegisterSymbols + 1}) {
     cases.push_back({kRansGrid, 12, 1, 200, 70, 64, -1, used});
     cases.push_back({kRansGrid, 12, 9, 256, 65, 128, -1, used});
+  }
+  // Peaked grids of at most 32 symbols: AVX2's byte tables with split buckets (their tails),
+  // or too many cums in them (the slot table): 9 and 12 symbols split 1 and 2 (16-entry tables),
+  // 21 and 24 of width 7 and 8 split 1 and 2 (32-entry tables), 28 the slot table.
+  for (auto [used, width] : {std::pair<int, double>{9, 0}, {12, 0}, {21, 7}, {24, 8}, {28, 0}}) {
+    cases.push_back({kRansGrid, 12, 1, 256, 70, 64, -1, used, false, width});
+    cases.push_back({kRansGrid, 12, 33, 256, 97, 128, -1, used, false, width});
+    cases.push_back({kRansTcq, 12, 5, 256, 65, 128, -1, used, false, width});
   }
   for (int used : {kRansRegisterSymbols, 24, 7}) {
     cases.push_back({kRansGrid, 12, 2, 256, 70, 64, -1, used, true});
@@ -385,8 +447,10 @@ int main() {
       continue;
     }
     int checked = 0;
-    for (const Case& cs : cases) {
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& cs = cases[i];
       for (bool bf16 : {false, true}) {
+        rng_state = 0x2545F4914F6CDD1Dull + 0x9E3779B97F4A7C15ull * (2 * i + bf16);  // every build: the same streams
         // As the op: bf16 x for builds with bf16 dot products, values exact in bf16, even K.
         const bool exact = marlin::values_exact_in_bf16(marlin::WeightFormat(cs.kind));
         if (bf16 && !(find_kernel_build(name)->bf16_x && exact && cs.k % 2 == 0)) continue;
@@ -396,6 +460,13 @@ int main() {
     }
     printf("%s %s (%d rans cases)\n", failures == before ? "PASS" : "FAIL", name.c_str(), checked);
   }
+  for (bool wide : {false, true})  // the cases reach every path of AVX2's lookup
+    for (int splits : {-1, 0, 1, 2}) {
+      const auto seen = std::find(case_byte_tables.begin(), case_byte_tables.end(), std::pair<bool, int>{wide, splits});
+      if (!case_byte_tables.empty() && seen == case_byte_tables.end())
+        fail(std::string("no case had ") + (wide ? "17-32" : "at most 16") + " symbols and byte tables with " +
+             std::to_string(splits) + " splits (-1: none)");
+    }
   printf("%s\n", failures ? "FAILED" : "OK");
   return failures ? 1 : 0;
 }
