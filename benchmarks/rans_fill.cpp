@@ -5,7 +5,7 @@
 // the spec's reference encoder of tests/cpu_kernels/check_rans_kernels.cpp
 // (included, its main renamed): a 16-symbol stream peaked around the middle
 // (fp4 lossless-like) or a 256-symbol grid stream (tcq: the same stream
-// through the trellis). Built and run by
+// through the trellis): peaked, or `gauss`, bench_rans.py's Gaussian. Built and run by
 // benchmarks/bench_rans_fill.py; prints one JSON line per case.
 #define main check_rans_kernels_main
 #include "check_rans_kernels.cpp"
@@ -23,12 +23,14 @@ double cpu_seconds() {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s BUILD fp4|grid|tcq M [N=K] [grid spread=12]\n", argv[0]);
+    fprintf(stderr, "usage: %s BUILD fp4|grid|tcq M [N=K] [grid spread=12 | gauss]\n", argv[0]);
     return 2;
   }
   const std::string build = argv[1], kind_name = argv[2];
   const int64_t m = atoll(argv[3]), n = argc > 4 ? atoll(argv[4]) : 4096, k = n, chunk_k = 1024;
-  const double spread = argc > 5 ? atof(argv[5]) : 12;  // 12: 36 symbols; 9: 27, near bench_rans.py's grid
+  const double spread = argc > 5 ? atof(argv[5]) : 12;  // 12: 36 symbols; 9: 27
+  // gauss: bench_rans.py's grid, a Gaussian on a step of 0.35 sigma (31 symbols, tails of frequency 1)
+  const bool gauss = argc > 5 && std::string(argv[5]) == "gauss";
   const RansKernels* kern = rans_build(build);
   const std::string why = unsupported_reason(build);
   if (!kern || !why.empty()) {
@@ -42,6 +44,8 @@ int main(int argc, char** argv) {
   for (int& c : codes) {
     const double u = uniform() + uniform() + uniform() - 1.5;
     c = grid ? std::min(255, std::max(0, int(128 + u * spread))) : std::min(15, std::max(0, int(8 + u * 6)));
+    if (grid && gauss)  // (Box-Muller)
+      c = 128 + std::min(127, std::max(-127, int(lround(sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform()) / 0.35))));
   }
   Streams st = encode(codes, k, n, chunk_k, prob_bits, symbols);
   std::vector<uint32_t> table(rans_slot_table_size(prob_bits));
@@ -78,8 +82,8 @@ int main(int argc, char** argv) {
     min_ms[part] = t[0] * 1e3;  // (on a VM whose neighbours come and go the median can switch modes)
   }
   printf("{\"build\": \"%s\", \"weights\": \"%s\", \"n\": %lld, \"k\": %lld, \"m\": %lld, \"levels\": %d, "
-         "\"split\": %d, \"symbols\": %d, \"fill_ms\": %.3f, \"gemm_ms\": %.3f, \"fill_min_ms\": %.3f, \"gemm_min_ms\": %.3f}\n",
+         "\"split\": %d, \"symbols\": %d, \"byte_splits\": %d, \"fill_ms\": %.3f, \"gemm_ms\": %.3f, \"fill_min_ms\": %.3f, \"gemm_min_ms\": %.3f}\n",
          build.c_str(), kind_name.c_str(), (long long)n, (long long)k, (long long)m, a.registers.levels,
-         int(a.registers.has_split), a.registers.symbols, ms[0], ms[1], min_ms[0], min_ms[1]);
+         int(a.registers.has_split), a.registers.symbols, a.bytes.fits ? a.bytes.splits : -1, ms[0], ms[1], min_ms[0], min_ms[1]);
   return failures ? 1 : 0;
 }

@@ -15,6 +15,16 @@ except ImportError:  # running from a source checkout without installing (make t
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def pytest_collection_finish(session):
+    """A test module with a long build of its own (a `start_background_build()`:
+    tests/test_cpu_kernels_aarch64.py's cross-compile) starts it as soon as the
+    session has collected its tests, so that it runs beside the tests before it."""
+    starts = {getattr(item.module, "start_background_build", None) for item in session.items
+              if getattr(item, "module", None) is not None}
+    for start in starts - {None}:
+        start()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

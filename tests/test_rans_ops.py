@@ -268,13 +268,13 @@ def test_gemm_column_tails(weight_format):
             assert_close_to_reference(ys[0], x, b64)
 
 
-def tail_freqs(core, tail, prob_bits):
-    """Grid freqs: `core` Gaussian symbols with `tail` symbols of frequency 1 on each side."""
+def tail_freqs(core, tail, prob_bits, tail_freq=1):
+    """Grid freqs: `core` Gaussian symbols with `tail` symbols of frequency tail_freq on each side."""
     f = np.zeros(256, np.int64)
     c0 = (256 - core) // 2
-    f[c0 - tail:c0] = f[c0 + core:c0 + core + tail] = 1
+    f[c0 - tail:c0] = f[c0 + core:c0 + core + tail] = tail_freq
     w = np.exp(-0.5 * ((np.arange(core) - (core - 1) / 2) / (core / 5)) ** 2)
-    f[c0:c0 + core] = np.maximum(1, np.floor(w / w.sum() * ((1 << prob_bits) - 2 * tail)))
+    f[c0:c0 + core] = np.maximum(1, np.floor(w / w.sum() * ((1 << prob_bits) - 2 * tail * tail_freq)))
     f[c0 + core // 2] += (1 << prob_bits) - f.sum()
     return f
 
@@ -300,9 +300,10 @@ LOOKUP_TABLES = [
     (13, one_tail_freqs(), "1 halving, one split bucket of 64"),
     (12, np.array([0] * 100 + [1024] * 4 + [0] * 152), "no search: one symbol per bucket"),
     (12, tail_freqs(12, 2, 12), "AVX2 byte tables of 16 entries, 3 compares by table"),
-    (11, tail_freqs(10, 3, 11), "AVX2 byte tables of 16 entries, 2 split buckets"),
-    (12, tail_freqs(24, 2, 12), "AVX2 byte tables of 32 entries, 2 split buckets of 4 more compares (the most)"),
-    (12, tail_freqs(24, 3, 12), "AVX2: the slot table (a split bucket of 5 more compares)"),
+    (11, tail_freqs(10, 3, 11), "AVX2 byte tables of 16 entries, 2 split buckets of a run of 3"),
+    (12, tail_freqs(24, 4, 12), "AVX2 byte tables of 32 entries, 2 split buckets of a run of 4 and 2 more compares"),
+    (12, tail_freqs(24, 2, 12, tail_freq=2), "AVX2 byte tables of 32 entries, 2 split buckets of 4 more compares (the most)"),
+    (12, tail_freqs(24, 3, 12, tail_freq=2), "AVX2: the slot table (a split bucket of 5 more compares, no run)"),
 ]
 
 

@@ -153,13 +153,15 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
 // bits. A lane's index is its bucket's first symbol's plus the number of cums
 // inside the bucket at or below its slot, compared on the slot's low bits (at
 // most 7: prob_bits at most 12) as bytes, 32 lanes per instruction: by table
-// (the first `boundaries` cums of every bucket, at most kRansByteBoundaries)
-// and, in up to kRansByteSplits buckets with more (a grid's tails: rare
-// symbols next to each other), against the rest of their cums, up to
-// kRansSplitBoundaries, by a table of the split bucket's number. fits: these
-// tables serve the symbols, and pay: a split bucket's cums take at most
-// kRansSplitCompares compares beyond the table's (bench_rans.py's Gaussian
-// grid needs 9, and showed no gain over the slot table: docs/CPU.md). Built
+// (the first `boundaries` cums of every bucket, at most kRansByteBoundaries).
+// A bucket with more (a grid's tails: rare symbols next to each other; up to
+// kRansByteSplits such buckets of up to kRansSplitBoundaries cums) is split:
+// its longest run of consecutive cums (symbols of frequency 1) counts as
+// min(max(low - run_start, 0), run_length), its other cums past the table's
+// are compared by a table of the split bucket's number. fits: these tables
+// serve the symbols, and pay: a split bucket takes at most kRansSplitCompares
+// compares beyond the table's (without the runs, bench_rans.py's Gaussian
+// grid needed 9 and showed no gain over the slot table: docs/CPU.md). Built
 // from the register table, so prob_bits 10 to 12.
 constexpr int kRansByteBuckets = 32;
 constexpr int kRansByteBoundaries = 3;
@@ -168,13 +170,16 @@ constexpr int kRansSplitBoundaries = 16;
 constexpr int kRansSplitCompares = 4;
 struct RansByteLayout {
   bool fits = false;
-  int boundaries = 0;  // the most inside a bucket that is not split
+  int boundaries = 0;  // the most cums compared by table in a bucket that is not split
   int splits = 0;
   int split_bucket[kRansByteSplits] = {};
+  uint8_t run_start[kRansByteSplits] = {};   // split bucket s's run: its first cum's slot - bucket start - 1
+  uint8_t run_length[kRansByteSplits] = {};  // and its cums (0: none)
   int first[kRansByteBuckets] = {};  // index of the symbol of the bucket's first slot
-  int count[kRansByteBuckets] = {};  // cums inside the bucket
+  int count[kRansByteBuckets] = {};  // cums inside the bucket compared one by one (a split bucket's: but its run)
   uint8_t inside[kRansByteBuckets][kRansSplitBoundaries] = {};  // their slot - bucket start - 1, ascending
 
+  RansByteLayout() = default;
   RansByteLayout(const RansRegisterTable& r, int prob_bits) {
     if (r.symbols == 0 || r.symbols > kRansByteBuckets || prob_bits < 5 || prob_bits > 12) return;
     const uint32_t width = 1u << (prob_bits - 5);
@@ -191,7 +196,18 @@ struct RansByteLayout {
         continue;
       }
       if (splits == kRansByteSplits) return;
-      split_bucket[splits++] = b;
+      const int s = splits++;
+      split_bucket[s] = b;
+      int best = 0, length = 1;  // the longest run of consecutive cums, out of the compares
+      for (int j = 1, start = 0; j <= count[b]; ++j) {
+        if (j < count[b] && inside[b][j] == inside[b][j - 1] + 1) continue;
+        if (j - start > length) best = start, length = j - start;
+        start = j;
+      }
+      if (length < 2) continue;
+      run_start[s] = inside[b][best], run_length[s] = uint8_t(length);
+      for (int j = best; j + length < count[b]; ++j) inside[b][j] = inside[b][j + length];
+      count[b] -= length;
     }
     for (int s = 0; s < splits; ++s)
       if (count[split_bucket[s]] - boundaries > kRansSplitCompares) return;
@@ -205,6 +221,7 @@ struct RansArgs {
   const uint32_t* states;       // [chunks, 32]: initial state of each lane
   const uint32_t* table;        // the slot table
   RansRegisterTable registers;  // its symbols, if few
+  RansByteLayout bytes;         // the byte tables of `registers`, if they fit (AVX2 builds)
   int prob_bits;
   int kind;                     // a WeightFormat (lossless), kRansGrid or kRansTcq
   int64_t k, n, chunk_k, kchunks, blocks;

@@ -46,6 +46,7 @@ RansArgs make_rans_args(const at::Tensor& words, const at::Tensor& word_offsets,
   RansArgs a{};
   a.registers = build_rans_register_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()),
                                           int(s.symbols), int(s.prob_bits));
+  a.bytes = RansByteLayout(a.registers, int(s.prob_bits));
   a.words = reinterpret_cast<const uint16_t*>(words.data_ptr<int16_t>());
   a.word_offsets = word_offsets.data_ptr<int32_t>();
   a.states = reinterpret_cast<const uint32_t*>(states.data_ptr<int32_t>());

@@ -138,6 +138,7 @@ RansArgs stream_args(const Streams& st, const uint16_t* words, const std::vector
   a.states = st.states.data();
   a.table = table.data();
   a.registers = build_rans_register_table(st.freqs.data(), symbols, prob_bits);
+  a.bytes = RansByteLayout(a.registers, prob_bits);
   a.prob_bits = prob_bits;
   a.kind = kind;
   a.k = k;
@@ -159,6 +160,7 @@ struct Case {
 int failures = 0;
 // per case run: AVX2's byte tables (more than 16 symbols: their 32-entry tables) and their splits (-1: none)
 std::vector<std::pair<bool, int>> case_byte_tables;
+int case_byte_runs = 0;  // case runs whose byte tables have a split bucket's run
 void fail(const std::string& what) {
   if (failures++ < 20) printf("FAIL %s\n", what.c_str());
 }
@@ -202,8 +204,9 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
 
   RansArgs a = stream_args(st, words, table, symbols, cs.kind, cs.prob_bits, k, n, cs.chunk_k);
   if (cs.flat && !a.registers.symbols) fail(std::to_string(cs.used) + " flat symbols have no register table");
-  const RansByteLayout byte_layout(a.registers, cs.prob_bits);
-  case_byte_tables.push_back({a.registers.symbols > 16, byte_layout.fits ? std::min(byte_layout.splits, 2) : -1});
+  case_byte_tables.push_back({a.registers.symbols > 16, a.bytes.fits ? std::min(a.bytes.splits, 2) : -1});
+  case_byte_runs += a.bytes.fits && std::count_if(a.bytes.run_length, a.bytes.run_length + a.bytes.splits,
+                                                  [](int length) { return length > 0; }) > 0;
   const int64_t chunks = a.blocks * a.kchunks;
   char what[200];
   snprintf(what, sizeof(what), "%s kind=%d p=%d m=%lld k=%lld n=%lld chunk_k=%lld g=%lld x=%s", name.c_str(), cs.kind,
@@ -341,7 +344,8 @@ std::vector<std::pair<int, int>> check_register_tables() {
 // The AVX2 builds' byte tables (RansByteLayout) against the slot's symbol by
 // cums, for every slot of random tables: a scalar model of the kernel's
 // lookup (bucket's first index, its table compares, a split bucket's
-// compares). Returns the layouts seen: -1 (no byte tables) or the splits (3: 3 or more).
+// compares and run). Returns the layouts seen: -1 (no byte tables) or the
+// splits (3: 3 or more), and 4 for a table with a run.
 std::vector<int> check_byte_tables() {
   std::vector<int> seen;
   for (int trial = 0; trial < 3000; ++trial) {
@@ -361,16 +365,19 @@ std::vector<int> check_byte_tables() {
     const RansByteLayout b(t, prob_bits);
     seen.push_back(b.fits ? std::min(b.splits, 3) : -1);
     if (!b.fits) continue;
+    if (std::count_if(b.run_length, b.run_length + b.splits, [](int length) { return length >= 2; })) seen.push_back(4);
     if (b.boundaries > kRansByteBoundaries) fail("byte tables: " + std::to_string(b.boundaries) + " boundaries");
     const int shift = prob_bits - 5;
     for (int slot = 0; slot < m; ++slot) {
       const int bucket = slot >> shift, low = slot & ((1 << shift) - 1);
-      const bool split = b.count[bucket] > kRansByteBoundaries;
+      const int s = int(std::find(b.split_bucket, b.split_bucket + b.splits, bucket) - b.split_bucket);
+      const bool split = s < b.splits;
+      if (!split && b.count[bucket] > b.boundaries)
+        fail("byte tables: bucket " + std::to_string(bucket) + " has more cums than the tables but is not split");
       int index = b.first[bucket];
       for (int j = 0; j < b.boundaries; ++j) index += low > (j < b.count[bucket] ? b.inside[bucket][j] : 127);
       for (int j = b.boundaries; j < b.count[bucket] && split; ++j) index += low > b.inside[bucket][j];
-      if (split != (std::count(b.split_bucket, b.split_bucket + b.splits, bucket) == 1))
-        fail("byte tables: bucket " + std::to_string(bucket) + " split " + std::to_string(split) + " but listed otherwise");
+      if (split) index += std::min(std::max(low - b.run_start[s], 0), int(b.run_length[s]));
       if (!(index < t.symbols && t.cum[index] <= slot && slot < t.cum[index] + t.freq[index])) {
         fail("byte tables: slot " + std::to_string(slot) + " of prob_bits " + std::to_string(prob_bits) + " finds index " +
              std::to_string(index));
@@ -386,9 +393,10 @@ std::vector<int> check_byte_tables() {
 int main() {
   {
     const std::vector<int> seen = check_byte_tables();
-    for (int variant : {-1, 0, 1, 2, 3})
+    for (int variant : {-1, 0, 1, 2, 3, 4})
       if (std::find(seen.begin(), seen.end(), variant) == seen.end())
-        fail("no random table had byte tables with " + std::to_string(variant) + " splits (-1: none, 3: 3 or more)");
+        fail("no random table had byte tables with " + std::to_string(variant) +
+             " splits (-1: none, 3: 3 or more, 4: a run)");
   }
   {
     const std::vector<std::pair<int, int>> seen = check_register_tables();
@@ -414,9 +422,9 @@ int main() {
     cases.push_back({kRansGrid, 12, 1, 200, 70, 64, -1, used});
     cases.push_back({kRansGrid, 12, 9, 256, 65, 128, -1, used});
   }
-  // Peaked grids of at most 32 symbols: AVX2's byte tables with split buckets (their tails),
-  // or too many cums in them (the slot table): 9 and 12 symbols split 1 and 2 (16-entry tables),
-  // 21 and 24 of width 7 and 8 split 1 and 2 (32-entry tables), 28 the slot table.
+  // Peaked grids of at most 32 symbols: AVX2's byte tables with split buckets (their tails):
+  // 9 and 12 symbols split 1 and 2 with runs of 3 (16-entry tables), 21 and 24 of width 7 and 8
+  // split 1 and 2 without runs, 28 split 2 with runs of 6-7 (32-entry tables).
   for (auto [used, width] : {std::pair<int, double>{9, 0}, {12, 0}, {21, 7}, {24, 8}, {28, 0}}) {
     cases.push_back({kRansGrid, 12, 1, 256, 70, 64, -1, used, false, width});
     cases.push_back({kRansGrid, 12, 33, 256, 97, 128, -1, used, false, width});
@@ -467,6 +475,7 @@ int main() {
         fail(std::string("no case had ") + (wide ? "17-32" : "at most 16") + " symbols and byte tables with " +
              std::to_string(splits) + " splits (-1: none)");
     }
+  if (!case_byte_tables.empty() && !case_byte_runs) fail("no case had byte tables with a split bucket's run");
   printf("%s\n", failures ? "FAILED" : "OK");
   return failures ? 1 : 0;
 }
