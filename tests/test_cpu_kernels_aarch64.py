@@ -42,7 +42,7 @@ _running = []   # its compiler processes (killed if the session ends first)
 def _compile_and_link(out: Path):
     """{harness name: executable}: every source cross-compiled, two at a time, then linked."""
     mains = [ROOT / "tests" / "cpu_kernels" / f"{name}.cpp" for name in HARNESSES]
-    # The longest first: rans_kernels_neon_bf16.cpp took 10-14 min alone on a 2-core Zen 3.
+    # The longest first: rans_kernels_neon_bf16.cpp (about 7 min of CPU on a Zen 3).
     pending = sorted(RANS_KERNELS, key=lambda src: "neon" not in src.stem) + KERNELS + mains
     objects, started = {}, {}
     try:

@@ -4,9 +4,14 @@
 // tables, the lookup, the values by index and tcq's trellis as bytes.
 
 #if MARLIN_KERNEL_AVX2
-// A 32-entry byte table as vpshufb's two 16-entry tables, each in both 128-bit halves.
+// A 16-entry byte table in both 128-bit halves (vpshufb's table).
+inline __m256i byte_table16(const uint8_t* t) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t));
+}
+
+// A 32-entry byte table as two 16-entry ones.
 inline void byte_table_halves(const uint8_t* t, __m256i* out) {
-  for (int h = 0; h < 2; ++h) out[h] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(t + 16 * h)));
+  for (int h = 0; h < 2; ++h) out[h] = byte_table16(t + 16 * h);
 }
 
 template <int Lookup>
@@ -51,9 +56,8 @@ struct RansTable<Lookup> {
       for (int j = boundaries; j < layout.count[b]; ++j) split_cums[j][s + 1] = layout.inside[b][j];
     }
     byte_table_halves(numbers, split_number);
-    auto sixteen = [](const uint8_t* t) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t)); };
-    for (int j = 0; j < kRansSplitBoundaries; ++j) split_inside[j] = sixteen(split_cums[j]);
-    run_start = sixteen(starts), run_length = sixteen(lengths);
+    for (int j = 0; j < kRansSplitBoundaries; ++j) split_inside[j] = byte_table16(split_cums[j]);
+    run_start = byte_table16(starts), run_length = byte_table16(lengths);
     byte_table_halves(bytes[0], freq_lo), byte_table_halves(bytes[1], freq_hi);
     byte_table_halves(bytes[2], cum_lo), byte_table_halves(bytes[3], cum_hi);
     byte_table_halves(bytes[4], sym), byte_table_halves(bytes[5], first);
@@ -82,7 +86,7 @@ struct RansTable<Lookup> {
     out[2] = (vu)_mm256_unpacklo_epi16(w23, zero), out[3] = (vu)_mm256_unpackhi_epi16(w23, zero);
   }
 
-  // kByteLookup: the 32 lanes' slots packed to bytes (vpackusdw, vpackuswb: an order of lanes that
+  // The 32 lanes' slots packed to bytes (vpackusdw, vpackuswb: an order of lanes that
   // the unpacks undo), their bucket's first index plus their compares with the cums inside it.
   MARLIN_RANS_INLINE SymbolIndex lookup_bytes(const vu* slot, vu* freq_out, vu* bias_out) const {
     const __m256i w01 = _mm256_packus_epi32((__m256i)slot[0], (__m256i)slot[1]);

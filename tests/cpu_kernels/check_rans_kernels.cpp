@@ -158,6 +158,10 @@ struct Case {
 };
 
 int failures = 0;
+// Some split bucket of b counts a run of cums in one step.
+bool has_run(const RansByteLayout& b) {
+  return std::any_of(b.run_length, b.run_length + b.splits, [](int length) { return length > 0; });
+}
 // per case run: AVX2's byte tables (more than 16 symbols: their 32-entry tables) and their splits (-1: none)
 std::vector<std::pair<bool, int>> case_byte_tables;
 int case_byte_runs = 0;  // case runs whose byte tables have a split bucket's run
@@ -205,8 +209,7 @@ void run_case(const std::string& name, const RansKernels& kern, bool bf16_x, con
   RansArgs a = stream_args(st, words, table, symbols, cs.kind, cs.prob_bits, k, n, cs.chunk_k);
   if (cs.flat && !a.registers.symbols) fail(std::to_string(cs.used) + " flat symbols have no register table");
   case_byte_tables.push_back({a.registers.symbols > 16, a.bytes.fits ? std::min(a.bytes.splits, 2) : -1});
-  case_byte_runs += a.bytes.fits && std::count_if(a.bytes.run_length, a.bytes.run_length + a.bytes.splits,
-                                                  [](int length) { return length > 0; }) > 0;
+  case_byte_runs += a.bytes.fits && has_run(a.bytes);
   const int64_t chunks = a.blocks * a.kchunks;
   char what[200];
   snprintf(what, sizeof(what), "%s kind=%d p=%d m=%lld k=%lld n=%lld chunk_k=%lld g=%lld x=%s", name.c_str(), cs.kind,
@@ -365,7 +368,7 @@ std::vector<int> check_byte_tables() {
     const RansByteLayout b(t, prob_bits);
     seen.push_back(b.fits ? std::min(b.splits, 3) : -1);
     if (!b.fits) continue;
-    if (std::count_if(b.run_length, b.run_length + b.splits, [](int length) { return length >= 2; })) seen.push_back(4);
+    if (has_run(b)) seen.push_back(4);
     if (b.boundaries > kRansByteBoundaries) fail("byte tables: " + std::to_string(b.boundaries) + " boundaries");
     const int shift = prob_bits - 5;
     for (int slot = 0; slot < m; ++slot) {
