@@ -7,9 +7,13 @@ where the rans GEMM's time goes; bench_rans.py times the op against the
 dense one.
 
     python benchmarks/bench_rans_fill.py [--builds avx512_bf16,avx512,avx2] [--rows 32] [--weights fp4,grid,tcq]
+    python benchmarks/bench_rans_fill.py --against REV [--rows 32] [--weights ...]
 
 Compiles the CPU kernels (csrc/cpu/kernel*.cpp, rans_kernels_*.cpp) with g++
-first (a few minutes on 2 cores).
+first (a few minutes on 2 cores). --against REV times this tree's avx2 kernels
+against those of git revision REV, both linked into one binary (REV's under
+another namespace) and alternated pass by pass, so that the baseline runs in
+the same process: the ratio column is the median of the alternated pairs'.
 """
 
 import argparse
@@ -24,21 +28,38 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build(out: Path) -> Path:
+def baseline_source(rev: str, out: Path) -> Path:
+    """REV's csrc/ under out/, its avx2 build renamed avx2_base (rans_fill.cpp's name for it)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "csrc"], capture_output=True, check=True).stdout
+    out.mkdir(parents=True)
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    build_file = out / "csrc" / "cpu" / "kernels_avx2.cpp"
+    text = build_file.read_text()
+    if "#define MARLIN_KERNEL_NS avx2\n" not in text:
+        sys.exit(f"{rev}: kernels_avx2.cpp does not name its build avx2 as expected")
+    build_file.write_text(text.replace("#define MARLIN_KERNEL_NS avx2\n", "#define MARLIN_KERNEL_NS avx2_base\n"))
+    return out / "csrc"
+
+
+def build(out: Path, against: str | None = None) -> Path:
     cpu = ROOT / "csrc" / "cpu"
     sources = sorted(cpu.glob("kernel*.cpp")) + sorted(cpu.glob("rans_kernels_*.cpp")) + [ROOT / "benchmarks" / "rans_fill.cpp"]
-    flags = ["-O3", "-std=c++20", "-I", str(ROOT / "csrc"), "-I", str(ROOT / "metal"),
-             "-I", str(ROOT / "tests" / "cpu_kernels")]
+    common = ["-O3", "-std=c++20", "-I", str(ROOT / "metal"), "-I", str(ROOT / "tests" / "cpu_kernels")]
+    jobs = [(src, out / (src.stem + ".o"), ROOT / "csrc") for src in sources]
+    if against:
+        base = baseline_source(against, out / "base")
+        jobs.append((base / "cpu" / "rans_kernels_avx2.cpp", out / "rans_kernels_avx2_base.o", base))
 
-    def compile_one(src):
-        obj = out / (src.stem + ".o")
-        r = subprocess.run(["g++", *flags, "-c", str(src), "-o", str(obj)], capture_output=True, text=True)
+    def compile_one(job):
+        src, obj, include = job
+        r = subprocess.run(["g++", *common, "-I", str(include), "-c", str(src), "-o", str(obj)],
+                           capture_output=True, text=True)
         if r.returncode != 0:
             sys.exit(f"{src.name}:\n{r.stderr[-4000:]}")
         return obj
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        objects = list(pool.map(compile_one, sources))
+        objects = list(pool.map(compile_one, jobs))
     exe = out / "rans_fill"
     subprocess.run(["g++", *map(str, objects), "-o", str(exe)], check=True)
     return exe
@@ -50,15 +71,34 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[32])
     p.add_argument("--weights", default="fp4,grid,tcq")
     p.add_argument("--size", type=int, default=4096, help="N = K")
+    p.add_argument("--spread", default=None, help="the grid's: a number, or gauss (bench_rans.py's grid)")
+    p.add_argument("--against", metavar="REV", help="this tree's avx2 kernels against REV's, in one process")
     args = p.parse_args()
+    extra = [args.spread] if args.spread else []
     with tempfile.TemporaryDirectory() as tmp:
-        exe = build(Path(tmp))
+        exe = build(Path(tmp), args.against)
+        if args.against:
+            print(f"avx2 against {args.against} in the same process, 1 thread, process CPU time, median of 15 alternated passes")
+            print("| weights | M | fill ms | base fill ms | fill / base | fill + micro-kernels ms | base | ratio |")
+            print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+            for w in args.weights.split(","):
+                for m in args.rows:
+                    r = subprocess.run([str(exe), "avx2-vs-base", w, str(m), str(args.size), *extra],
+                                       capture_output=True, text=True)
+                    if r.returncode != 0:
+                        sys.exit(f"{w} M={m} failed: {r.stdout}{r.stderr}")
+                    row = json.loads(r.stdout.strip().splitlines()[-1])
+                    if "skipped" in row:
+                        sys.exit(f"skipped: {row['skipped']}")
+                    print(f"| {w} | {m} | {row['fill_ms']:.2f} | {row['base_fill_ms']:.2f} | {row['fill_ratio']:.3f} | "
+                          f"{row['gemm_ms']:.2f} | {row['base_gemm_ms']:.2f} | {row['gemm_ratio']:.3f} |")
+            return
         print("| build | weights | N x K | M | fill ms | fill + micro-kernels ms |")
         print("| --- | --- | --- | ---: | ---: | ---: |")
         for b in args.builds.split(","):
             for w in args.weights.split(","):
                 for m in args.rows:
-                    r = subprocess.run([str(exe), b, w, str(m), str(args.size)], capture_output=True, text=True)
+                    r = subprocess.run([str(exe), b, w, str(m), str(args.size), *extra], capture_output=True, text=True)
                     if r.returncode != 0:
                         sys.exit(f"{b} {w} M={m} failed: {r.stdout}{r.stderr}")
                     row = json.loads(r.stdout.strip().splitlines()[-1])

@@ -1,7 +1,8 @@
 // The entropy-coded layout's tile GEMM split into its parts: gemm_tile of the
 // CPU kernels (csrc/cpu/rans_kernels_impl.h) over all of N with no rows of x
 // (the tile fill, the decode, alone) and with M rows (fill and micro-kernels),
-// without torch; process CPU time, one thread, median and minimum of 9. Streams come from
+// without torch; process CPU time, one thread, median and minimum of 9 (avx2-vs-base: median of 15
+// alternated passes of each, and of their ratios). Streams come from
 // the spec's reference encoder of tests/cpu_kernels/check_rans_kernels.cpp
 // (included, its main renamed): a 16-symbol stream peaked around the middle
 // (fp4 lossless-like) or a 256-symbol grid stream (tcq: the same stream
@@ -13,6 +14,11 @@
 
 #include <time.h>
 
+// bench_rans_fill.py --against REV links REV's avx2 kernels in under this name (absent: null).
+namespace marlin::cpu::avx2_base {
+extern const RansKernels rans_kernels __attribute__((weak));
+}
+
 namespace {
 double cpu_seconds() {
   timespec t;
@@ -23,10 +29,18 @@ double cpu_seconds() {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s BUILD fp4|grid|tcq M [N=K] [grid spread=12 | gauss]\n", argv[0]);
+    fprintf(stderr, "usage: %s BUILD|avx2-vs-base fp4|grid|tcq M [N=K] [grid spread=12 | gauss]\n", argv[0]);
     return 2;
   }
-  const std::string build = argv[1], kind_name = argv[2];
+  // avx2-vs-base: the avx2 kernels against the baseline ones linked in as avx2_base, alternated
+  // pass by pass in this process (a VM's phases move both alike)
+  const bool against = std::string(argv[1]) == "avx2-vs-base";
+  const std::string build = against ? "avx2" : argv[1], kind_name = argv[2];
+  const RansKernels* base = against ? &marlin::cpu::avx2_base::rans_kernels : nullptr;
+  if (against && !base) {
+    printf("{\"build\": \"%s\", \"skipped\": \"no baseline linked in\"}\n", argv[1]);
+    return 0;
+  }
   const int64_t m = atoll(argv[3]), n = argc > 4 ? atoll(argv[4]) : 4096, k = n, chunk_k = 1024;
   const double spread = argc > 5 ? atof(argv[5]) : 12;  // 12: 36 symbols; 9: 27
   // gauss: bench_rans.py's grid, a Gaussian on a step of 0.35 sigma (31 symbols, tails of frequency 1)
@@ -66,20 +80,40 @@ int main(int argc, char** argv) {
   a.gemm.format = kind;
   a.gemm.out = out.data();
   std::vector<float> scratch(kRansGemmCols / kGemmBlockCols * gemm_scratch_floats(m));
-  double ms[2], min_ms[2];
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  double ms[2], min_ms[2], base_ms[2], ratio[2];
   for (int part = 0; part < 2; ++part) {
     const int64_t rows = part ? m : 0;
-    std::vector<double> t;
+    std::vector<double> t, tb, r_pair;
     uint32_t bad = 0;
-    for (int r = 0; r < 9; ++r) {
+    auto pass = [&](const RansKernels* k) {
       const double start = cpu_seconds();
-      for (int64_t nb = 0; nb < n; nb += kRansGemmCols) bad |= kern->gemm_tile(a, 0, rows, nb, scratch.data());
-      t.push_back(cpu_seconds() - start);
+      for (int64_t nb = 0; nb < n; nb += kRansGemmCols) bad |= k->gemm_tile(a, 0, rows, nb, scratch.data());
+      return (cpu_seconds() - start) * 1e3;
+    };
+    for (int r = 0; r < (against ? 15 : 9); ++r) {
+      if (!against) {
+        t.push_back(pass(kern));
+        continue;
+      }
+      const double first = pass(r % 2 ? base : kern), second = pass(r % 2 ? kern : base);  // each goes first in turn
+      t.push_back(r % 2 ? second : first), tb.push_back(r % 2 ? first : second);
+      r_pair.push_back(t.back() / tb.back());
     }
     if (bad) fail("a well-formed stream reported bad");
-    std::sort(t.begin(), t.end());
-    ms[part] = t[4] * 1e3;
-    min_ms[part] = t[0] * 1e3;  // (on a VM whose neighbours come and go the median can switch modes)
+    ms[part] = median(t);
+    min_ms[part] = *std::min_element(t.begin(), t.end());  // (on a VM whose neighbours come and go the median can switch modes)
+    base_ms[part] = against ? median(tb) : 0;
+    ratio[part] = against ? median(r_pair) : 0;
+  }
+  if (against) {
+    printf("{\"build\": \"avx2-vs-base\", \"weights\": \"%s\", \"m\": %lld, \"fill_ms\": %.3f, \"base_fill_ms\": %.3f, "
+           "\"fill_ratio\": %.3f, \"gemm_ms\": %.3f, \"base_gemm_ms\": %.3f, \"gemm_ratio\": %.3f}\n",
+           kind_name.c_str(), (long long)m, ms[0], base_ms[0], ratio[0], ms[1], base_ms[1], ratio[1]);
+    return failures ? 1 : 0;
   }
   printf("{\"build\": \"%s\", \"weights\": \"%s\", \"n\": %lld, \"k\": %lld, \"m\": %lld, \"levels\": %d, "
          "\"split\": %d, \"symbols\": %d, \"byte_splits\": %d, \"fill_ms\": %.3f, \"gemm_ms\": %.3f, \"fill_min_ms\": %.3f, \"gemm_min_ms\": %.3f}\n",

@@ -14,8 +14,8 @@
 // rans_bytes_avx2.h; otherwise in the per-call slot table, a gather on
 // AVX-512, one load per lane elsewhere), updates its state,
 // and the lanes whose state fell below 2^16 take the next words of the
-// chunk's shared stream in lane order (AVX-512: vpexpandd; AVX2: vpermd by a
-// 256-entry table of the 8-lane prefix sums; elsewhere by each lane's rank
+// chunk's shared stream in lane order (AVX-512: vpexpandd; AVX2: one vpshufb
+// by a 256-entry table of the 8-lane prefix sums; elsewhere by each lane's rank
 // among them, without a branch). Lane l of column block b is output column
 // 32 b + l, so x[k] multiplies a whole vector of decoded weights as one
 // broadcast. "tcq"
@@ -71,19 +71,23 @@ inline uint32_t rans_finish(const RansLanes& d) {
 }
 
 #if MARLIN_KERNEL_AVX2
-// kExpand8[m]: for each of 8 lanes, the number of lanes below it set in m
-// (its word's index among this step's refills), as bytes.
+// kExpand8.index[m]: vpshufb's index that moves, for each of 8 lanes set in m,
+// the word whose position is the number of lanes below it set in m (its word
+// among this step's refills) into the lane's dword, zero-extended; lanes not in
+// m get 0. The 8 words are in both 128-bit halves (lanes 0-3 and 4-7), so one
+// in-lane vpshufb does it: against vpmovzxwd, vpmovzxbd and vpermd, two
+// shuffle uops fewer per 8 lanes and a shorter chain to the next step.
 struct Expand8Table {
-  uint64_t index[256];
+  alignas(32) uint8_t index[256][32];
   constexpr Expand8Table() : index() {
-    for (int m = 0; m < 256; ++m) {
-      uint64_t packed = 0;
+    for (int m = 0; m < 256; ++m)
       for (int l = 0, rank = 0; l < 8; ++l) {
-        packed |= uint64_t(rank) << (8 * l);
-        if (m >> l & 1) ++rank;
+        uint8_t* lane = index[m] + 4 * l;  // lane l: half l / 4, dword l % 4
+        const bool need = m >> l & 1;
+        lane[0] = need ? uint8_t(2 * rank) : 0x80, lane[1] = need ? uint8_t(2 * rank + 1) : 0x80;
+        lane[2] = lane[3] = 0x80;
+        rank += need;
       }
-      index[m] = packed;
-    }
   }
 };
 constexpr Expand8Table kExpand8;
@@ -122,10 +126,9 @@ MARLIN_RANS_INLINE vu rans_refill(RansLanes& d, vu x) {
 #if MARLIN_KERNEL_AVX512
   const vu w = (vu)_mm512_cvtepu16_epi32((__m256i)words);  // GCC's convertvector took three instructions
   return (vu)_mm512_mask_or_epi32((__m512i)x, need, (__m512i)(x << 16), _mm512_maskz_expand_epi32(need, (__m512i)w));
-#elif MARLIN_KERNEL_AVX2  // vpmovzxwd / vpmovzxbd (GCC's convertvector and an 8-byte memcpy took five instructions)
-  const __m256i w = _mm256_cvtepu16_epi32((__m128i)words);
-  const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)&kExpand8.index[need]));
-  const vu expanded = (vu)_mm256_permutevar8x32_epi32(w, index);
+#elif MARLIN_KERNEL_AVX2  // the words in both halves (vbroadcasti128), into their lanes by kExpand8
+  const __m256i w = _mm256_broadcastsi128_si256((__m128i)words);
+  const vu expanded = (vu)_mm256_shuffle_epi8(w, _mm256_load_si256((const __m256i*)kExpand8.index[need]));
   return (vu)_mm256_blendv_epi8((__m256i)x, (__m256i)((x << 16) | expanded), (__m256i)((vi)(x >> 16) == 0));
 #else  // lane l takes the word after those of the needing lanes below it: no branch per lane (a
        // lane's need is a coin toss), and a step's code small enough for GCC to compile in
@@ -188,15 +191,27 @@ struct RansTable {
   }
 };
 
-// Every lane's state update and refill, from its slot's freq and slot - cum.
-MARLIN_RANS_INLINE void rans_advance(RansLanes& d, int prob_bits, const vu* freq, const vu* bias) {
+// Every lane's state update from its slot's freq and slot - cum, before its refill.
+MARLIN_RANS_INLINE void rans_update(const RansLanes& d, int prob_bits, const vu* freq, const vu* bias, vu* x) {
+  for (int v = 0; v < kRansVectors; ++v) x[v] = freq[v] * (d.x[v] >> prob_bits) + bias[v];
+}
+
+// The refills of every lane after its update x.
+MARLIN_RANS_INLINE void rans_refills(RansLanes& d, const vu* x) {
   if (d.end - d.ptr >= kRansVectors * kLanes) {  // (nearly always)
 #pragma GCC unroll 8
-    for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill<false>(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
+    for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill<false>(d, x[v]);
     return;
   }
 #pragma GCC unroll 8  // (the refill's branches kept GCC from it): d stays in registers
-  for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, freq[v] * (d.x[v] >> prob_bits) + bias[v]);
+  for (int v = 0; v < kRansVectors; ++v) d.x[v] = rans_refill(d, x[v]);
+}
+
+// Every lane's state update and refill, from its slot's freq and slot - cum.
+MARLIN_RANS_INLINE void rans_advance(RansLanes& d, int prob_bits, const vu* freq, const vu* bias) {
+  vu x[kRansVectors];
+  rans_update(d, prob_bits, freq, bias, x);
+  rans_refills(d, x);
 }
 
 // Each lane's slot: the low prob_bits bits of its state.
@@ -402,10 +417,13 @@ uint32_t rans_gemv_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t b0, i
 // nb / 32 + 2 Tiles - 1 in lockstep, one tile row after the other (the lanes'
 // states carry over between tiles). Tiles = 2 on AVX-512's register lookup:
 // 4 independent state chains, as the GEMV's 4 blocks (with 2 the fill took
-// 4.7-4.9 ms against 3.3, tcq 5.8 against 4.7).
+// 4.7-4.9 ms against 3.3, tcq 5.8 against 4.7); and for tcq on AVX2's byte
+// tables, whose trellis makes the chain longer (Zen 3, in one process: the tcq
+// fill 0.91-0.93x of one tile's; the grid's 1.02-1.04x, fp4's 1.01x).
 
-template <int Lookup>
-constexpr int kRansFillTiles = MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters ? 2 : 1;
+template <int Kind, int Lookup>
+constexpr int kRansFillTiles =
+    (MARLIN_KERNEL_AVX512 && Lookup == kLookupRegisters) || (kByteLookup<Lookup> && Kind == kRansTcq) ? 2 : 1;
 
 template <int Kind, int Lookup, bool Dot, int Tiles>
 struct RansTileFill {
@@ -479,7 +497,7 @@ struct RansTileFill {
 // Columns [nb, nb + kRansGemmCols): one fill of kRansFillTiles tiles after the other.
 template <int Kind, int Lookup, bool Dot>
 uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch) {
-  constexpr int Tiles = kRansFillTiles<Lookup>;
+  constexpr int Tiles = kRansFillTiles<Kind, Lookup>;
   uint32_t bad = 0;
   for (int64_t n0 = nb; n0 < nb + kRansGemmCols && n0 < a.n; n0 += Tiles * kTileCols) {
     RansTileFill<Kind, Lookup, Dot, Tiles> fill(a, n0);
