@@ -77,17 +77,21 @@ def main():
     extra = [args.spread] if args.spread else []
     with tempfile.TemporaryDirectory() as tmp:
         exe = build(Path(tmp), args.against)
+
+        def run(build_name, w, m):
+            """rans_fill's JSON line for one case."""
+            r = subprocess.run([str(exe), build_name, w, str(m), str(args.size), *extra], capture_output=True, text=True)
+            if r.returncode != 0:
+                sys.exit(f"{build_name} {w} M={m} failed: {r.stdout}{r.stderr}")
+            return json.loads(r.stdout.strip().splitlines()[-1])
+
         if args.against:
             print(f"avx2 against {args.against} in the same process, 1 thread, process CPU time, median of 15 alternated passes")
             print("| weights | M | fill ms | base fill ms | fill / base | fill + micro-kernels ms | base | ratio |")
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for w in args.weights.split(","):
                 for m in args.rows:
-                    r = subprocess.run([str(exe), "avx2-vs-base", w, str(m), str(args.size), *extra],
-                                       capture_output=True, text=True)
-                    if r.returncode != 0:
-                        sys.exit(f"{w} M={m} failed: {r.stdout}{r.stderr}")
-                    row = json.loads(r.stdout.strip().splitlines()[-1])
+                    row = run("avx2-vs-base", w, m)
                     if "skipped" in row:
                         sys.exit(f"skipped: {row['skipped']}")
                     print(f"| {w} | {m} | {row['fill_ms']:.2f} | {row['base_fill_ms']:.2f} | {row['fill_ratio']:.3f} | "
@@ -98,15 +102,11 @@ def main():
         for b in args.builds.split(","):
             for w in args.weights.split(","):
                 for m in args.rows:
-                    r = subprocess.run([str(exe), b, w, str(m), str(args.size), *extra], capture_output=True, text=True)
-                    if r.returncode != 0:
-                        sys.exit(f"{b} {w} M={m} failed: {r.stdout}{r.stderr}")
-                    row = json.loads(r.stdout.strip().splitlines()[-1])
+                    row = run(b, w, m)
                     if "skipped" in row:
                         print(f"| {b} | skipped: {row['skipped']} | | | | |")
                         continue
                     print(f"| {b} | {w} | {row['n']}x{row['k']} | {m} | {row['fill_ms']:.2f} | {row['gemm_ms']:.2f} |")
-
 
 if __name__ == "__main__":
     main()
