@@ -1,10 +1,11 @@
 """Speed of the entropy-coded layout's CPU op (torch.ops.marlin.rans_gemm)
 against the dense op (torch.ops.marlin.gemm) on the same shapes, per kernel build.
 
-Same process, one thread, process CPU time (the machine is shared), median of
-interleaved rounds: at M = 1 the fused decode + GEMV in decoded weights per
-second per core next to the dense GEMV, and at M = 32 / 128 the time against
-the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
+Same process, one thread, process CPU time (the machine is shared), medians of
+interleaved rounds (every other round in reverse order; rans / dense is the
+median of the rounds' own ratios): at M = 1 the fused decode + GEMV in decoded
+weights per second per core next to the dense GEMV, and at M = 32 / 128 the
+time against the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
 (quantized to the nearest fp4 value per group of 128); grid rows code integer
 codes of a Gaussian on a uniform grid whose step gives about 4 bits of entropy;
 tcq rows decode the grid rows' stream as weight_format "tcq" (the same words and
@@ -92,11 +93,13 @@ def entropy(codes, symbols):
     return float(-(p * np.log2(p)).sum())
 
 
-def median_cpu_times(fns, rounds):
-    """Process CPU seconds per call of each fn, median over interleaved rounds."""
+def cpu_times(fns, rounds):
+    """Process CPU seconds per call of each fn, per round; rounds interleave the fns (every
+    other round in reverse order), so that a round's times share the machine's phase."""
     times = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
+    for r in range(rounds):
+        order = list(enumerate(fns))
+        for i, fn in order if r % 2 == 0 else order[::-1]:
             start = time.process_time()
             reps = 0
             while True:
@@ -105,7 +108,7 @@ def median_cpu_times(fns, rounds):
                 if time.process_time() - start > 0.05:
                     break
             times[i].append((time.process_time() - start) / reps)
-    return [statistics.median(t) for t in times]
+    return times
 
 
 def run_build(args):
@@ -130,12 +133,16 @@ def run_build(args):
             for _, t, scales, fmt, group, _ in variants:
                 fns.append(lambda x=x, t=t, s=scales, f=fmt, g=group:
                            torch.ops.marlin.rans_gemm(x, *t, s, None, None, f, k, args.chunk_k, args.prob_bits, g))
-            times = median_cpu_times(fns, args.rounds)
-            for (name, t, _, _, _, ent), sec in zip(variants, times[1:]):
+            times = cpu_times(fns, args.rounds)
+            dense = statistics.median(times[0])
+            for (name, t, _, _, _, ent), rans in zip(variants, times[1:]):
+                sec = statistics.median(rans)
+                # the ratio: median of the rounds' own ratios (the VM's phases move whole rounds)
+                ratio = statistics.median(r / d for r, d in zip(rans, times[0]))
                 bits = (t[0].numel() * 2 + t[1].numel() * 4 + t[2].numel() * 4 + t[3].numel() * 2) * 8 / (k * n)
                 rows.append(dict(build=info["selected"], shape=f"{n}x{k}", m=m, variant=name, ms=sec * 1e3,
-                                 dense_ms=times[0] * 1e3, ratio=sec / times[0], gweights_s=k * n / sec / 1e9,
-                                 dense_gweights_s=k * n / times[0] / 1e9, bits=bits, entropy=ent))
+                                 dense_ms=dense * 1e3, ratio=ratio, gweights_s=k * n / sec / 1e9,
+                                 dense_gweights_s=k * n / dense / 1e9, bits=bits, entropy=ent))
     print(json.dumps(rows))
 
 

@@ -131,11 +131,12 @@ void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* sc
     // stride without L1 set aliasing was measured 1.1x slower.)
     for (int t = 0; t < tiles; ++t) {
       for (int col = 0; col < kTileCols; col += 2 * kLanes) {
-        for (int64_t m = m0; m < m1; m += kMicroRows) {
+        for (int64_t m = m0; m < m1;) {
+          const int mr = even_rows(m1 - m, kMicroRows);
           const float* x = a.x + m * a.k + k0;
           float* c = acc + t * acc_floats + (m - m0) * kTileCols;
-          with_rows(int(m1 - m < kMicroRows ? m1 - m : kMicroRows),
-                    [&]<int MR>() { micro_kernel<MR>(x, a.k, rows, tile + t * kTileFloats, col, c); });
+          with_rows(mr, [&]<int MR>() { micro_kernel<MR>(x, a.k, rows, tile + t * kTileFloats, col, c); });
+          m += mr;
         }
       }
     }
@@ -227,8 +228,7 @@ void gemm_tiles_dot(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float
         if (kHasZeros<F>) copy_halves(zero, a.zeros + g * a.n + n0, cols, kTileCols);
         const float* pairs = tile + t * kTileFloats + (s0 - k0) / 2 * kTileCols;
         for (int64_t m = m0; m < m1;) {
-          const int64_t left = m1 - m, blocks = (left + kDotRows - 1) / kDotRows;
-          const int mr = int((left + blocks - 1) / blocks);
+          const int mr = even_rows(m1 - m, kDotRows);
           const uint16_t* x = a.x_bf16 + m * a.k + s0;
           const float* xsum = kHasZeros<F> && s0 == g * a.group_rows ? a.xsum + m * a.groups + g : nullptr;
           float* c = acc + t * acc_floats + (m - m0) * kTileCols;

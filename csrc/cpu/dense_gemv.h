@@ -142,9 +142,7 @@ template <int F, bool Dot>
 void gemv_rows(GemvChunk c, int rows, int cols) {
   constexpr int block_rows = kGemvBlockRows<Dot>;
   for (int i = 0; i < rows;) {
-    // Balanced blocks (8 rows = 4 + 4, not 6 + 2): a thin block wastes decodes.
-    const int left = rows - i, blocks = (left + block_rows - 1) / block_rows;
-    const int mr = (left + blocks - 1) / blocks;
+    const int mr = even_rows(rows - i, block_rows);  // (8 rows = 4 + 4, not 6 + 2)
     switch (mr) {
       case 1: gemv_block<F, 1, Dot>(c, cols); break;
       case 2: gemv_block<F, 2, Dot>(c, cols); break;

@@ -207,8 +207,7 @@ vu q8_gemv(const typename L::Args& a, int64_t m0, int64_t m1, int64_t n0, int64_
     float* buffers = scratch ? scratch : new float[3 * L::kBlockRows * padded];
     vu bad = {};
     for (int64_t m = m0; m < m1;) {
-      const int64_t left = m1 - m, blocks = (left + L::kBlockRows - 1) / L::kBlockRows;
-      const int mr = int((left + blocks - 1) / blocks);
+      const int mr = even_rows(m1 - m, L::kBlockRows);
       with_rows<L::kBlockRows>(mr, [&]<int MR>() { bad |= q8_rows<F, MR, L>(a, m, n0, n1, buffers); });
       m += mr;
     }

@@ -259,8 +259,7 @@ template <class Meta, int F, bool Dot>
 vu sparse_gemv_rows(SparseGemvChunk c, int rows, int cols) {
   vu bad = {};
   for (int i = 0; i < rows;) {
-    const int left = rows - i, blocks = (left + kSparseGemvBlockRows - 1) / kSparseGemvBlockRows;
-    const int mr = (left + blocks - 1) / blocks;  // balanced blocks
+    const int mr = even_rows(rows - i, kSparseGemvBlockRows);
     with_rows<kSparseGemvBlockRows>(mr, [&]<int MR>() { bad |= sparse_gemv_block<Meta, F, MR, Dot>(c, cols); });
     c.x += mr * c.ldx;
     c.part += mr * kStrip;
