@@ -3,7 +3,9 @@ against the dense op (torch.ops.marlin.gemm) on the same shapes, per kernel buil
 
 Same process, one thread, process CPU time (the machine is shared), medians of
 interleaved rounds (every other round in reverse order; rans / dense is the
-median of the rounds' own ratios): at M = 1 the fused decode + GEMV in decoded
+median of the rounds' own ratios, and again over the rounds that had the core to
+themselves by benchmarks/core_probe.py, where it runs: on a shared VM another
+tenant's thread on the same core slows the two ops unequally): at M = 1 the fused decode + GEMV in decoded
 weights per second per core next to the dense GEMV, and at M = 32 / 128 the
 time against the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
 (quantized to the nearest fp4 value per group of 128); grid rows code integer
@@ -26,6 +28,8 @@ import time
 
 import numpy as np
 import torch
+
+import core_probe
 
 LANES = 32
 
@@ -93,11 +97,14 @@ def entropy(codes, symbols):
     return float(-(p * np.log2(p)).sum())
 
 
-def cpu_times(fns, rounds):
+def cpu_times(fns, rounds, probe=None):
     """Process CPU seconds per call of each fn, per round; rounds interleave the fns (every
-    other round in reverse order), so that a round's times share the machine's phase."""
+    other round in reverse order), so that a round's times share the machine's phase. With a
+    probe (core_probe.load()), also its mean before and after each round."""
     times = [[] for _ in fns]
+    probes = []
     for r in range(rounds):
+        before = probe() if probe else 0.0
         order = list(enumerate(fns))
         for i, fn in order if r % 2 == 0 else order[::-1]:
             start = time.process_time()
@@ -108,7 +115,8 @@ def cpu_times(fns, rounds):
                 if time.process_time() - start > 0.05:
                     break
             times[i].append((time.process_time() - start) / reps)
-    return times
+        probes.append((before + probe()) / 2 if probe else 0.0)
+    return times, probes
 
 
 def run_build(args):
@@ -116,6 +124,7 @@ def run_build(args):
 
     torch.set_num_threads(1)
     info = json.loads(torch.ops.marlin._cpu_kernels())
+    probe = core_probe.load()
     rows = []
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
@@ -133,15 +142,19 @@ def run_build(args):
             for _, t, scales, fmt, group, _ in variants:
                 fns.append(lambda x=x, t=t, s=scales, f=fmt, g=group:
                            torch.ops.marlin.rans_gemm(x, *t, s, None, None, f, k, args.chunk_k, args.prob_bits, g))
-            times = cpu_times(fns, args.rounds)
+            times, probes = cpu_times(fns, args.rounds, probe)
+            own = [c == "own" for c in core_probe.classify(probes)] if probe else [False] * len(probes)
             dense = statistics.median(times[0])
             for (name, t, _, _, _, ent), rans in zip(variants, times[1:]):
                 sec = statistics.median(rans)
                 # the ratio: median of the rounds' own ratios (the VM's phases move whole rounds)
                 ratio = statistics.median(r / d for r, d in zip(rans, times[0]))
+                own_ratios = [r / d for r, d, o in zip(rans, times[0], own) if o]
+                own_ratio = statistics.median(own_ratios) if own_ratios else None
                 bits = (t[0].numel() * 2 + t[1].numel() * 4 + t[2].numel() * 4 + t[3].numel() * 2) * 8 / (k * n)
                 rows.append(dict(build=info["selected"], shape=f"{n}x{k}", m=m, variant=name, ms=sec * 1e3,
-                                 dense_ms=dense * 1e3, ratio=ratio, gweights_s=k * n / sec / 1e9,
+                                 dense_ms=dense * 1e3, ratio=ratio, own_ratio=own_ratio, own_rounds=len(own_ratios),
+                                 gweights_s=k * n / sec / 1e9,
                                  dense_gweights_s=k * n / dense / 1e9, bits=bits, entropy=ent))
     print(json.dumps(rows))
 
@@ -166,8 +179,8 @@ def main():
     print(f"1 thread, process CPU time, median of {args.rounds} interleaved rounds; x {args.dtype}, "
           f"chunk_k {args.chunk_k}, prob_bits {args.prob_bits}; dense = torch.ops.marlin.gemm fp4 g128")
     print("| build | N x K | M | weights | bits/weight (entropy) | rans ms | dense ms | rans / dense | "
-          "rans Gweights/s | dense Gweights/s |")
-    print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+          "on own core (rounds) | rans Gweights/s | dense Gweights/s |")
+    print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for build in builds:
         env = dict(os.environ, TORCH_MARLIN_CPU_KERNELS=build, OMP_NUM_THREADS="1")
         out = subprocess.run([sys.executable, __file__, "--child", "--shapes", args.shapes, "--rows",
@@ -178,8 +191,9 @@ def main():
             print(f"| {build} | failed: {out.stderr.strip().splitlines()[-1]} |")
             continue
         for r in json.loads(out.stdout.strip().splitlines()[-1]):
+            own = f"{r['own_ratio']:.2f} ({r['own_rounds']})" if r["own_ratio"] is not None else "-"
             print(f"| {r['build']} | {r['shape']} | {r['m']} | {r['variant']} | {r['bits']:.2f} ({r['entropy']:.2f}) "
-                  f"| {r['ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f} | {r['gweights_s']:.2f} "
+                  f"| {r['ms']:.3f} | {r['dense_ms']:.3f} | {r['ratio']:.2f} | {own} | {r['gweights_s']:.2f} "
                   f"| {r['dense_gweights_s']:.2f} |", flush=True)
 
 

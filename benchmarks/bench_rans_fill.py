@@ -87,15 +87,19 @@ def main():
 
         if args.against:
             print(f"avx2 against {args.against} in the same process, 1 thread, process CPU time, median of 15 alternated passes")
-            print("| weights | M | fill ms | base fill ms | fill / base | fill + micro-kernels ms | base | ratio |")
+            print("(own core: the pairs whose core was not shared by another thread, benchmarks/core_probe.py)")
+            print("| weights | M | fill ms | base fill ms | fill / base (own core, pairs) | fill + micro-kernels ms | base "
+                  "| ratio (own core, pairs) |")
             print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
             for w in args.weights.split(","):
                 for m in args.rows:
                     row = run("avx2-vs-base", w, m)
                     if "skipped" in row:
                         sys.exit(f"skipped: {row['skipped']}")
-                    print(f"| {w} | {m} | {row['fill_ms']:.2f} | {row['base_fill_ms']:.2f} | {row['fill_ratio']:.3f} | "
-                          f"{row['gemm_ms']:.2f} | {row['base_gemm_ms']:.2f} | {row['gemm_ratio']:.3f} |")
+                    print(f"| {w} | {m} | {row['fill_ms']:.2f} | {row['base_fill_ms']:.2f} | {row['fill_ratio']:.3f} "
+                          f"({row['fill_ratio_own_core']:.3f}, {row['fill_pairs_own_core']}) | {row['gemm_ms']:.2f} | "
+                          f"{row['base_gemm_ms']:.2f} | {row['gemm_ratio']:.3f} ({row['gemm_ratio_own_core']:.3f}, "
+                          f"{row['gemm_pairs_own_core']}) |")
             return
         print("| build | weights | N x K | M | fill ms | fill + micro-kernels ms |")
         print("| --- | --- | --- | ---: | ---: | ---: |")

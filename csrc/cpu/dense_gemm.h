@@ -102,21 +102,31 @@ inline int tiles_inside(const GemmArgs& a, int64_t nb) {
 }
 
 // out[m0:m1, nb:nb+64 tiles] from the accumulators of tiles side by side (row
-// stride 64, (m1 - m0) rows per tile), the columns inside N.
-inline void store_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, int tiles, const float* acc) {
+// stride 64, (m1 - m0) rows per tile), the columns inside N; times column_scale
+// (64 per tile) where the fill left the one scale of each column out.
+inline void store_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, int tiles, const float* acc,
+                        const float* column_scale = nullptr) {
   for (int t = 0; t < tiles; ++t) {
     const int64_t n0 = nb + t * kTileCols, cols = (a.n - n0 < kTileCols) ? a.n - n0 : kTileCols;
-    for (int64_t m = m0; m < m1; ++m)
-      memcpy(a.out + m * a.n + n0, acc + (t * (m1 - m0) + m - m0) * kTileCols, cols * sizeof(float));
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* row = acc + (t * (m1 - m0) + m - m0) * kTileCols;
+      if (!column_scale) {
+        memcpy(a.out + m * a.n + n0, row, cols * sizeof(float));
+        continue;
+      }
+      for (int64_t c = 0; c < cols; ++c) a.out[m * a.n + n0 + c] = row[c] * column_scale[t * kTileCols + c];
+    }
   }
 }
 
 // out[m0:m1, nb:nb+64 Tiles] through fp32 tiles of B that fill(k0, rows, tile)
 // writes (the dense dequant_tile, or the 2:4 one; Tiles > 1: the rans fill,
 // tile t of columns nb + 64 t at tile + t * kTileRows * kTileCols); scratch as
-// Tiles * gemm_scratch_floats(m1 - m0).
+// Tiles * gemm_scratch_floats(m1 - m0). column_scale: see store_tiles (read
+// after the last fill).
 template <int Tiles = 1, class Fill>
-void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch, Fill&& fill) {
+void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* scratch, Fill&& fill,
+                const float* column_scale = nullptr) {
   constexpr int64_t kTileFloats = kTileRows * kTileCols;
   const int tiles = tiles_inside<Tiles>(a, nb);
   const int64_t acc_floats = (m1 - m0) * kTileCols;  // per tile
@@ -141,7 +151,7 @@ void gemm_tiles(const GemmArgs& a, int64_t m0, int64_t m1, int64_t nb, float* sc
       }
     }
   }
-  store_tiles(a, m0, m1, nb, tiles, acc);
+  store_tiles(a, m0, m1, nb, tiles, acc, column_scale);
 }
 
 template <int F>

@@ -124,7 +124,7 @@ at::Tensor moe_gemm_cpu(const at::Tensor& x, const at::Tensor& expert_ids, const
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::unique_ptr<float[]> scratch(new float[gemm_scratch_floats(kRowsPerItem)]);
+    const Scratch scratch = aligned_scratch(gemm_scratch_floats(kRowsPerItem));
     for (int64_t i = next++; i < int64_t(items.size()); i = next++) {
       const WorkItem& w = items[i];
       const int64_t first = r.start[w.expert];  // the expert's rows start here in xg / yg

@@ -76,8 +76,8 @@ constexpr int64_t gemm_scratch_floats(int64_t rows) { return (kGemmBlockRows + r
 
 // Rows of a kernel's next register block with `left` rows to go, at most `most`: blocks as
 // even as they go (32 rows in 6s: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2). A thin block wastes
-// decodes (the GEMVs), or waits on its FMAs' latency (the tile GEMM's micro-kernel: the
-// rans tile GEMM at M = 32 took 0.96-0.97x the time on Zen 3, in one process).
+// decodes (the GEMVs), or waits on its FMAs' latency (the tile GEMM's micro-kernel: at M = 32
+// the dense tile GEMM took 0.95x the time on Zen 3, the rans one 0.96-0.97x, in one process).
 constexpr int even_rows(int64_t left, int most) {
   const int64_t blocks = (left + most - 1) / most;
   return int((left + blocks - 1) / blocks);

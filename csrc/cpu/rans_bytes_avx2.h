@@ -26,13 +26,16 @@ struct RansTable<Lookup> {
   // (0 for 0).
   __m256i first[2], inside[kRansByteBoundaries][2], freq_lo[2], freq_hi[2], cum_lo[2], cum_hi[2], sym[2];
   __m256i split_number[2], split_inside[kRansSplitCompares], run_start, run_length;
-  int boundaries, bucket_shift, split_compares;  // split_compares: the most of those cums in a split bucket
+  __m256i low_bits;  // the slot bits below the bucket's, per 16-bit word
+  __m128i bucket_shift;
+  int boundaries, split_compares;  // split_compares: the most of those cums in a split bucket
   bool has_split;
 
   explicit RansTable(const RansArgs& a) : prob_bits(a.prob_bits) {
     const RansRegisterTable& r = a.registers;
     const RansByteLayout& layout = a.bytes;
-    bucket_shift = a.prob_bits - 5;
+    bucket_shift = _mm_cvtsi32_si128(a.prob_bits - 5);
+    low_bits = _mm256_set1_epi16(short((1 << (a.prob_bits - 5)) - 1));
     boundaries = layout.boundaries;
     split_compares = 0;
     has_split = layout.splits > 0;
@@ -98,9 +101,8 @@ struct RansTable<Lookup> {
   MARLIN_RANS_INLINE SymbolIndex lookup_bytes(const vu* slot, vu* freq_out, vu* bias_out, __m256i* parity) const {
     const __m256i w01 = _mm256_packus_epi32((__m256i)slot[0], (__m256i)slot[1]);
     const __m256i w23 = _mm256_packus_epi32((__m256i)slot[2], (__m256i)slot[3]);
-    const __m128i shift = _mm_cvtsi32_si128(bucket_shift);
-    const __m256i low_bits = _mm256_set1_epi16(short((1 << bucket_shift) - 1));
-    const ByteIndex<false> bucket(_mm256_packus_epi16(_mm256_srl_epi16(w01, shift), _mm256_srl_epi16(w23, shift)));
+    const ByteIndex<false> bucket(
+        _mm256_packus_epi16(_mm256_srl_epi16(w01, bucket_shift), _mm256_srl_epi16(w23, bucket_shift)));
     const __m256i low = _mm256_packus_epi16(_mm256_and_si256(w01, low_bits), _mm256_and_si256(w23, low_bits));
     __m256i index = by(first, bucket);
 #pragma GCC unroll 4

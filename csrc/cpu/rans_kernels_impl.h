@@ -438,11 +438,16 @@ struct RansTileFill {
   int blocks;             // column blocks of the tiles inside N (1 ... kBlocks)
   Lanes d[kBlocks] = {};
   int64_t chunk_end = 0;  // K row where the current chunk ends
-  int64_t group = -1;
+  int64_t group = -1, group_end = 0;  // (a division per row cost the grid's fill 2%)
+  // The grid and tcq with one scale per column: the tiles hold the values unscaled and the
+  // scale multiplies the sums (gemm_tiles' column_scale), as the GEMV's group_dot does.
+  const bool scale_sums;
   uint32_t bad = 0;
   alignas(64) float scale[kCols], zero[kCols];
 
-  RansTileFill(const RansArgs& args, int64_t nb_) : a(args), table(args), words(args), nb(nb_) {
+  RansTileFill(const RansArgs& args, int64_t nb_)
+      : a(args), table(args), words(args), nb(nb_),
+        scale_sums(!Dot && (Kind == kRansGrid || Kind == kRansTcq) && args.gemm.groups == 1) {
     const int64_t b0 = nb / kRansBlockCols;
     blocks = int(a.blocks - b0 < kBlocks ? a.blocks - b0 : kBlocks);
   }
@@ -479,9 +484,13 @@ struct RansTileFill {
         for (int q = 0; q < kCols / kLanes; ++q) store(at(tile, q * kLanes) + r / 2 * kTileCols, values[q]);
         continue;
       }
-      if (k / g.group_rows != group) {
-        group = k / g.group_rows;
+      if (k >= group_end) {
+        group = k / g.group_rows, group_end = (group + 1) * g.group_rows;
         load_group<F>(g, group, nb, cols, kCols, scale, zero);
+      }
+      if (scale_sums) {
+        for (int q = 0; q < kCols / kLanes; ++q) store(at(tile, q * kLanes) + r * kTileCols, values[q]);
+        continue;
       }
       for (int q = 0; q < kCols / kLanes; ++q) {
         const vf z = kHasZeros<F> ? load(zero + q * kLanes) : vf{};
@@ -509,7 +518,7 @@ uint32_t rans_gemm_tile_kind(const RansArgs& a, int64_t m0, int64_t m1, int64_t 
       continue;
     }
 #endif
-    gemm_tiles<Tiles>(a.gemm, m0, m1, n0, scratch, f);
+    gemm_tiles<Tiles>(a.gemm, m0, m1, n0, scratch, f, fill.scale_sums ? fill.scale : nullptr);
     bad |= fill.bad;
   }
   return bad;
