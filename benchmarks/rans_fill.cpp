@@ -15,7 +15,7 @@
 #include <time.h>
 
 #if defined(__x86_64__)
-#include "core_probe.c"  // avx2-vs-base labels each pair by whether the core was ours (core_probe.py)
+#include "core_probe.c"  // avx2-vs-base probes around each pair; bench_rans_fill.py labels them (core_probe.py)
 #else
 static double core_probe() { return 0; }
 #endif
@@ -90,8 +90,8 @@ int main(int argc, char** argv) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  double ms[2], min_ms[2], base_ms[2], ratio[2], own_ratio[2] = {};
-  int own_pairs[2] = {};
+  double ms[2], min_ms[2], base_ms[2], ratio[2];
+  std::string pairs[2];  // avx2-vs-base: each pair's ratio and probe, as JSON lists
   for (int part = 0; part < 2; ++part) {
     const int64_t rows = part ? m : 0;
     std::vector<double> t, tb, r_pair, probes;
@@ -112,13 +112,10 @@ int main(int argc, char** argv) {
       r_pair.push_back(t.back() / tb.back());
       probes.push_back((before + core_probe()) / 2);
     }
-    if (against) {  // the pairs with the core to themselves, as core_probe.py's classify labels them
-      const double top = *std::max_element(probes.begin(), probes.end());
-      std::vector<double> own;
-      for (size_t i = 0; i < probes.size(); ++i)
-        if (probes[i] >= std::max(0.85 * top, 2.7)) own.push_back(r_pair[i]);
-      own_ratio[part] = own.empty() ? 0 : median(own);
-      own_pairs[part] = int(own.size());
+    for (size_t i = 0; i < r_pair.size(); ++i) {
+      char item[64];
+      snprintf(item, sizeof(item), "%s[%.4f, %.3f]", i ? ", " : "", r_pair[i], probes[i]);
+      pairs[part] += item;
     }
     if (bad) fail("a well-formed stream reported bad");
     ms[part] = median(t);
@@ -129,10 +126,9 @@ int main(int argc, char** argv) {
   if (against) {
     printf("{\"build\": \"avx2-vs-base\", \"weights\": \"%s\", \"m\": %lld, \"fill_ms\": %.3f, \"base_fill_ms\": %.3f, "
            "\"fill_ratio\": %.3f, \"gemm_ms\": %.3f, \"base_gemm_ms\": %.3f, \"gemm_ratio\": %.3f, "
-           "\"fill_ratio_own_core\": %.3f, \"fill_pairs_own_core\": %d, \"gemm_ratio_own_core\": %.3f, "
-           "\"gemm_pairs_own_core\": %d}\n",
-           kind_name.c_str(), (long long)m, ms[0], base_ms[0], ratio[0], ms[1], base_ms[1], ratio[1], own_ratio[0],
-           own_pairs[0], own_ratio[1], own_pairs[1]);
+           "\"fill_pairs\": [%s], \"gemm_pairs\": [%s]}\n",
+           kind_name.c_str(), (long long)m, ms[0], base_ms[0], ratio[0], ms[1], base_ms[1], ratio[1], pairs[0].c_str(),
+           pairs[1].c_str());
     return failures ? 1 : 0;
   }
   printf("{\"build\": \"%s\", \"weights\": \"%s\", \"n\": %lld, \"k\": %lld, \"m\": %lld, \"levels\": %d, "
