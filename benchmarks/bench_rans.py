@@ -128,11 +128,12 @@ def run_build(args):
     rows = []
     for shape in args.shapes.split(","):
         n, k = map(int, shape.split("x"))
+        chunk_k = min(args.chunk_k, -(-k // LANES) * LANES)  # (the op's limit: K rounded up to 32)
         dense_codes, dense_scales = fp4_codes(k, n)
         packed = tm.pack_codes(dense_codes)
-        lossless = encode(dense_codes.numpy(), args.chunk_k, args.prob_bits, 16)
+        lossless = encode(dense_codes.numpy(), chunk_k, args.prob_bits, 16)
         gcodes, gscales = grid_codes(k, n)
-        grid = encode(gcodes.numpy(), args.chunk_k, args.prob_bits, 256)
+        grid = encode(gcodes.numpy(), chunk_k, args.prob_bits, 256)
         variants = [("fp4 lossless", lossless, dense_scales, "fp4", 128, entropy(dense_codes, 16)),
                     ("grid", grid, gscales, "grid", k, entropy(gcodes, 256)),
                     ("tcq", grid, gscales, "tcq", k, entropy(gcodes, 256))]
@@ -141,7 +142,7 @@ def run_build(args):
             fns = [lambda x=x: torch.ops.marlin.gemm(x, packed, dense_scales, None, None, "fp4", 128)]
             for _, t, scales, fmt, group, _ in variants:
                 fns.append(lambda x=x, t=t, s=scales, f=fmt, g=group:
-                           torch.ops.marlin.rans_gemm(x, *t, s, None, None, f, k, args.chunk_k, args.prob_bits, g))
+                           torch.ops.marlin.rans_gemm(x, *t, s, None, None, f, k, chunk_k, args.prob_bits, g))
             times, probes = cpu_times(fns, args.rounds, probe)
             own = [c == "own" for c in core_probe.classify(probes)] if probe else [False] * len(probes)
             dense = statistics.median(times[0])
@@ -165,7 +166,7 @@ def main():
     p.add_argument("--shapes", default="4096x4096", help="N x K, comma-separated")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--chunk-k", type=int, default=1024)
+    p.add_argument("--chunk-k", type=int, default=1024, help="at most K rounded up to 32 (clipped)")
     p.add_argument("--prob-bits", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -177,7 +178,7 @@ def main():
     info = json.loads(torch.ops.marlin._cpu_kernels())
     builds = args.builds.split(",") if args.builds else [b for b, why in info["builds"].items() if not why]
     print(f"1 thread, process CPU time, median of {args.rounds} interleaved rounds; x {args.dtype}, "
-          f"chunk_k {args.chunk_k}, prob_bits {args.prob_bits}; dense = torch.ops.marlin.gemm fp4 g128")
+          f"chunk_k {args.chunk_k} (at most K rounded up to 32), prob_bits {args.prob_bits}; dense = torch.ops.marlin.gemm fp4 g128")
     print("| build | N x K | M | weights | bits/weight (entropy) | rans ms | dense ms | rans / dense | "
           "on own core (rounds) | rans Gweights/s | dense Gweights/s |")
     print("| --- | --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
