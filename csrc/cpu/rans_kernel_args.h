@@ -3,6 +3,7 @@
 #pragma once
 #include <stdint.h>
 
+#include <algorithm>
 #include <bitset>
 
 #include "cpu/kernel_args.h"
@@ -99,10 +100,10 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
     t.sym[count++] = uint16_t(sym);
     cum += freqs[sym];
   }
-  auto index_of = [&](uint32_t slot) {  // of the last cum at or below the slot
-    int i = 0;
-    while (i + 1 < count && t.cum[i + 1] <= slot) ++i;
-    return i;
+  auto index_of = [&](uint32_t slot) {  // of the last cum at or below the slot (the cums ascend)
+    // a binary search: the op builds this table per call, and a linear walk over 33-64
+    // symbols took it 25-30 us (a real layer's table at 3.6-4.1 bits)
+    return count > 1 ? int(std::upper_bound(t.cum + 1, t.cum + count, slot) - t.cum) - 1 : 0;
   };
   const int bucket_bits = prob_bits - kRansBucketBits;
   // The fewest levels (then split bits) whose search covers every bucket or, split, its sub-buckets.
