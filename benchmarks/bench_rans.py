@@ -5,8 +5,9 @@ Same process, one thread, process CPU time (the machine is shared), medians of
 interleaved rounds (every other round in reverse order; rans / dense is the
 median of the rounds' own ratios, and again over the rounds that had the core to
 themselves by benchmarks/core_probe.py, where it runs: on a shared VM another
-tenant's thread on the same core slows the two ops unequally): at M = 1 the fused decode + GEMV in decoded
-weights per second per core next to the dense GEMV, and at M = 32 / 128 the
+tenant's thread on the same core slows the two ops unequally): at M = 1 the
+fused decode + GEMV in decoded weights per second per core next to the dense
+GEMV, and at M = 32 / 128 the
 time against the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
 (quantized to the nearest fp4 value per group of 128); grid rows code integer
 codes of a Gaussian on a uniform grid whose step gives about 4 bits of entropy;
@@ -144,13 +145,12 @@ def run_build(args):
                 fns.append(lambda x=x, t=t, s=scales, f=fmt, g=group:
                            torch.ops.marlin.rans_gemm(x, *t, s, None, None, f, k, chunk_k, args.prob_bits, g))
             times, probes = cpu_times(fns, args.rounds, probe)
-            own = [c == "own" for c in core_probe.classify(probes)] if probe else [False] * len(probes)
             dense = statistics.median(times[0])
             for (name, t, _, _, _, ent), rans in zip(variants, times[1:]):
                 sec = statistics.median(rans)
                 # the ratio: median of the rounds' own ratios (the VM's phases move whole rounds)
                 ratio = statistics.median(r / d for r, d in zip(rans, times[0]))
-                own_ratios = [r / d for r, d, o in zip(rans, times[0], own) if o]
+                own_ratios = core_probe.own_core([r / d for r, d in zip(rans, times[0])], probes)
                 own_ratio = statistics.median(own_ratios) if own_ratios else None
                 bits = (t[0].numel() * 2 + t[1].numel() * 4 + t[2].numel() * 4 + t[3].numel() * 2) * 8 / (k * n)
                 rows.append(dict(build=info["selected"], shape=f"{n}x{k}", m=m, variant=name, ms=sec * 1e3,

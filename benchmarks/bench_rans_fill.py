@@ -70,7 +70,7 @@ def build(out: Path, against: str | None = None) -> Path:
 
 def own_core(pairs):
     """'(median ratio, pairs)' of the [ratio, probe] pairs that had the core to themselves."""
-    own = [r for (r, _), c in zip(pairs, core_probe.classify([p for _, p in pairs])) if c == "own"]
+    own = core_probe.own_core([r for r, _ in pairs], [p for _, p in pairs])
     return f"({statistics.median(own):.3f}, {len(own)})" if own else "(-, 0)"
 
 

@@ -47,7 +47,7 @@ def layer_ratios(coded: nn.Module, dense: nn.Module, rows, rounds: int, probe=No
             with torch.no_grad():
                 times, probes = cpu_times(fns, rounds, probe)
             ratios = [r / d for r, d in zip(*times)]
-            own = [q for q, c in zip(ratios, core_probe.classify(probes) if probe else []) if c == "own"]
+            own = core_probe.own_core(ratios, probes)
             out.append(dict(layer=name, k=layer.in_features, n=layer.out_features, symbols=symbols, m=m,
                             rans_s=statistics.median(times[0]), dense_s=statistics.median(times[1]),
                             ratio=statistics.median(ratios), own_ratio=statistics.median(own) if own else None,

@@ -56,3 +56,8 @@ def classify(values):
     top = max(values) if values else 0.0
     return ["own" if v >= max(0.85 * top, OWN_CORE_FLOOR) else "shared" if v <= 0.7 * top or v < 2 else ""
             for v in values]
+
+
+def own_core(figures, probes):
+    """The figures (one per round or pair) whose probe classify labels a core of our own."""
+    return [f for f, c in zip(figures, classify(probes)) if c == "own"]

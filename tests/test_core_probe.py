@@ -19,6 +19,12 @@ def test_classify_against_the_best_probe_of_the_run():
     assert core_probe.classify([2.3, 1.9]) == ["", "shared"]
 
 
+def test_own_core_keeps_the_figures_of_own_rounds():
+    assert core_probe.own_core([1.1, 1.2, 1.3, 1.4, 1.5], [3.5, 3.0, 2.9, 2.4, 1.8]) == [1.1, 1.2]
+    # no probe (benchmarks pass 0.0 per round): no round is a core of our own
+    assert core_probe.own_core([1.1, 1.2], [0.0, 0.0]) == []
+
+
 def test_probe_loads_and_measures_adds_per_cycle():
     probe = core_probe.load()
     if platform.machine() not in ("x86_64", "AMD64") or not core_probe._has_avx2():

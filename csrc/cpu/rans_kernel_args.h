@@ -101,8 +101,8 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
     cum += freqs[sym];
   }
   auto index_of = [&](uint32_t slot) {  // of the last cum at or below the slot (the cums ascend)
-    // a binary search: the op builds this table per call, and a linear walk over 33-64
-    // symbols took it 25-30 us (a real layer's table at 3.6-4.1 bits)
+    // a binary search: the op builds this table per call, and with 33-64 symbols (a real
+    // layer's table at 3.6-4.1 bits) a linear walk took it 16-21 us, bisection 7-8
     return count > 1 ? int(std::upper_bound(t.cum + 1, t.cum + count, slot) - t.cum) - 1 : 0;
   };
   const int bucket_bits = prob_bits - kRansBucketBits;
