@@ -6,6 +6,7 @@ bit for bit). Every kernel build this CPU runs is checked by rerunning the
 tests below in a child process with TORCH_MARLIN_CPU_KERNELS set."""
 
 import json
+import threading
 
 import numpy as np
 import pytest
@@ -468,6 +469,66 @@ def test_swapped_freqs_are_a_clear_error():
     for run in (run_gemm, run_decode):
         with pytest.raises(ValueError, match=CORRUPT):
             run(dict(a, freqs=f))
+
+
+# --- the lookup tables the op keeps per distinct freqs (rans_ops.cpp) --------------------
+
+def test_freqs_rewritten_in_place_decode_by_their_new_contents():
+    """The same freqs tensor (same object and address) rewritten between calls: stale tables would decode wrongly."""
+    generator = torch.Generator().manual_seed(5)
+    k, n, chunk_k = 96, 40, 32
+    codes = [skewed_codes(k, n, 256, generator) for _ in range(2)]
+    streams = [encode(c.numpy(), chunk_k, 12, 256) for c in codes]
+    assert not torch.equal(streams[0][3], streams[1][3])
+    freqs = streams[0][3].clone()
+    x = torch.randn(3, k, generator=generator)
+    scales = torch.full((1, n), 0.01).half()
+    for i in (0, 1, 0):
+        freqs.copy_(streams[i][3])
+        y = torch.ops.marlin.rans_gemm(x, *streams[i][:3], freqs, scales, None, None, "grid", k, chunk_k, 12, -1)
+        assert_close_to_reference(y, x, dequantize_codes(codes[i], scales, None, "grid", -1))
+        decoded = torch.ops.marlin.rans_decode(*streams[i][:3], freqs, k, n, chunk_k, 12)
+        assert torch.equal(decoded, codes[i].to(torch.uint8))
+
+
+def distinct_tables(count, k=32, n=32, prob_bits=15):
+    """count weights of distinct freqs: prob_bits 15's 256 KB slot tables, so that 80 overflow the 16 MB kept."""
+    generator = torch.Generator().manual_seed(11)
+    weights = []
+    for i in range(count):
+        codes = skewed_codes(k, n, 256, generator)
+        weights.append((codes, encode(codes.numpy(), k, prob_bits, 256)))
+    assert len({bytes(w[1][3].numpy()) for w in weights}) == count
+    return weights
+
+
+def test_more_tables_than_are_kept_still_decode():
+    weights = distinct_tables(80)
+    for _ in range(2):  # the second pass finds the first tables dropped
+        for codes, streams in weights:
+            assert torch.equal(torch.ops.marlin.rans_decode(*streams, 32, 32, 32, 15), codes.to(torch.uint8))
+
+
+def test_tables_shared_by_threads():
+    weights = distinct_tables(12)
+    x = torch.randn(2, 32)
+    scales = torch.full((1, 32), 0.01).half()
+    expected = [x.double() @ dequantize_codes(codes, scales, None, "grid", -1) for codes, _ in weights]
+    failures = []
+
+    def work(t):
+        for j in range(60):
+            i = (t * 5 + j) % len(weights)
+            y = torch.ops.marlin.rans_gemm(x, *weights[i][1], scales, None, None, "grid", 32, 32, 15, -1)
+            if not torch.allclose(y.double(), expected[i], rtol=1e-5, atol=1e-5):
+                failures.append((t, j))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
 
 
 def _bad_args():

@@ -28,7 +28,7 @@ static_assert(!has_zeros(WeightFormat(kRansTcq)) && !zeros_are_bias(WeightFormat
                   values_exact_in_bf16(WeightFormat(kRansTcq)),
               "tcq has no zeros and its levels j in [-256, 254] are exact in bf16");
 
-// The per-call slot table (rans_ops.cpp builds it from freqs): for every slot
+// The slot table (rans_ops.cpp builds it from freqs, once per distinct freqs): for every slot
 // of [0, 2^prob_bits), its symbol s, freq[s] and slot - cum[s]. Up to
 // kRansPackedProbBits one uint32 per slot, s | (slot - cum) << 8 | (freq - 1) << 20;
 // above, two arrays of 2^prob_bits uint32: freq | (slot - cum) << 16, then s.
@@ -101,7 +101,7 @@ inline RansRegisterTable build_rans_register_table(const uint16_t* freqs, int sy
     cum += freqs[sym];
   }
   auto index_of = [&](uint32_t slot) {  // of the last cum at or below the slot (the cums ascend)
-    // a binary search: the op builds this table per call, and with 33-64 symbols (a real
+    // a binary search: the op built this table per call before it kept tables, and with 33-64 symbols (a real
     // layer's table at 3.6-4.1 bits) a linear walk took it 16-21 us, bisection 7-8
     return count > 1 ? int(std::upper_bound(t.cum + 1, t.cum + count, slot) - t.cum) - 1 : 0;
   };

@@ -10,7 +10,12 @@
 
 #include <atomic>
 #include <cstring>
+#include <list>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "core/rans_checks.h"
@@ -33,24 +38,70 @@ const RansKernels& rans_kernels() {
   TORCH_CHECK(false, "internal error: no rans kernels in the CPU kernel build ", name);
 }
 
-// The slot table of rans_kernel_args.h from freqs (checked: they sum to 2^prob_bits).
-std::vector<uint32_t> slot_table(const at::Tensor& freqs, const RansShape& s) {
-  std::vector<uint32_t> table(rans_slot_table_size(int(s.prob_bits)));
-  build_rans_slot_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()), int(s.symbols),
-                        int(s.prob_bits), table.data());
-  return table;
+// The lookup tables of one freqs table (rans_kernel_args.h): the slot table,
+// and the register table with its byte tables where they serve.
+struct RansTables {
+  std::vector<uint32_t> slot;
+  RansRegisterTable registers;
+  RansByteLayout bytes;
+};
+
+// Built per distinct freqs, kept across calls: building them took 16 us of the
+// 51-53 us a 32 x 32 call took (docs/CPU.md). Keyed by prob_bits and the
+// bytes of freqs themselves, so a freqs changed in place or a new tensor at a
+// freed one's address can never meet stale tables; least recently used out
+// past kTableCacheBytes (a 12-bit table is about 18 KB: a 70B model's 560
+// layers fit).
+constexpr size_t kTableCacheBytes = size_t(16) << 20;
+
+std::shared_ptr<const RansTables> rans_tables(const at::Tensor& freqs, const RansShape& s) {
+  const uint16_t* f = reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>());
+  std::string key(1, char(s.prob_bits));
+  key.append(reinterpret_cast<const char*>(f), size_t(s.symbols) * sizeof(uint16_t));
+
+  using Entry = std::pair<std::string, std::shared_ptr<const RansTables>>;
+  static std::mutex mutex;
+  static std::list<Entry> recent;  // most recently used first
+  static std::unordered_map<std::string_view, std::list<Entry>::iterator> index;  // views of recent's keys
+  static size_t bytes = 0;
+  auto entry_bytes = [](const Entry& e) { return e.first.size() + e.second->slot.size() * 4 + sizeof(RansTables); };
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto it = index.find(key);
+    if (it != index.end()) {
+      recent.splice(recent.begin(), recent, it->second);
+      return it->second->second;
+    }
+  }
+  auto t = std::make_shared<RansTables>();
+  t->slot.resize(rans_slot_table_size(int(s.prob_bits)));
+  build_rans_slot_table(f, int(s.symbols), int(s.prob_bits), t->slot.data());
+  t->registers = build_rans_register_table(f, int(s.symbols), int(s.prob_bits));
+  t->bytes = RansByteLayout(t->registers, int(s.prob_bits));
+
+  std::lock_guard<std::mutex> lock(mutex);
+  if (index.find(key) == index.end()) {  // another thread may have built them meanwhile
+    recent.emplace_front(std::move(key), t);
+    index.emplace(recent.front().first, recent.begin());
+    bytes += entry_bytes(recent.front());
+    while (bytes > kTableCacheBytes && recent.size() > 1) {
+      bytes -= entry_bytes(recent.back());
+      index.erase(recent.back().first);
+      recent.pop_back();
+    }
+  }
+  return t;
 }
 
 RansArgs make_rans_args(const at::Tensor& words, const at::Tensor& word_offsets, const at::Tensor& states,
-                        const at::Tensor& freqs, const std::vector<uint32_t>& table, const RansShape& s) {
+                        const RansTables& tables, const RansShape& s) {
   RansArgs a{};
-  a.registers = build_rans_register_table(reinterpret_cast<const uint16_t*>(freqs.data_ptr<int16_t>()),
-                                          int(s.symbols), int(s.prob_bits));
-  a.bytes = RansByteLayout(a.registers, int(s.prob_bits));
+  a.registers = tables.registers;
+  a.bytes = tables.bytes;
   a.words = reinterpret_cast<const uint16_t*>(words.data_ptr<int16_t>());
   a.word_offsets = word_offsets.data_ptr<int32_t>();
   a.states = reinterpret_cast<const uint32_t*>(states.data_ptr<int32_t>());
-  a.table = table.data();
+  a.table = tables.slot.data();
   a.prob_bits = int(s.prob_bits);
   a.k = s.k;
   a.n = s.n;
@@ -65,8 +116,8 @@ at::Tensor rans_decode_cpu(const at::Tensor& words, const at::Tensor& word_offse
   const RansShape s = check_rans_streams(words, word_offsets, states, freqs, K, N, chunk_k, prob_bits);
   check_cpu(words, "words");
   check_rans_contents(words, word_offsets, states, freqs, s);
-  const std::vector<uint32_t> table = slot_table(freqs, s);
-  const RansArgs a = make_rans_args(words, word_offsets, states, freqs, table, s);
+  const std::shared_ptr<const RansTables> tables = rans_tables(freqs, s);
+  const RansArgs a = make_rans_args(words, word_offsets, states, *tables, s);
   const RansKernels& kern = rans_kernels();
   at::Tensor out = at::empty({K, N}, words.options().dtype(at::kByte));
   uint8_t* o = out.data_ptr<uint8_t>();
@@ -123,8 +174,8 @@ at::Tensor rans_gemm_cpu(const at::Tensor& x, const at::Tensor& words, const at:
   const RansShape& s = r.streams;
   check_cpu(words, "words");
   check_rans_contents(words, word_offsets, states, freqs, s);
-  const std::vector<uint32_t> table = slot_table(freqs, s);
-  RansArgs a = make_rans_args(words, word_offsets, states, freqs, table, s);
+  const std::shared_ptr<const RansTables> tables = rans_tables(freqs, s);
+  RansArgs a = make_rans_args(words, word_offsets, states, *tables, s);
   a.kind = int(r.groups.format);  // kRansGrid / kRansTcq for the grid / tcq
 
   const RansKernels& kern = rans_kernels();
