@@ -7,7 +7,8 @@ median of the rounds' own ratios, and again over the rounds that had the core to
 themselves by benchmarks/core_probe.py, where it runs: on a shared VM another
 tenant's thread on the same core slows the two ops unequally): at M = 1 the
 fused decode + GEMV in decoded weights per second per core next to the dense
-GEMV, and at M = 32 / 128 the time against the dense op's. Lossless rows code the dense fp4 codes of a Gaussian weight
+GEMV, and at M = 32 / 128 the time against the dense op's. Lossless rows
+code the dense fp4 codes of a Gaussian weight
 (quantized to the nearest fp4 value per group of 128); grid rows code integer
 codes of a Gaussian on a uniform grid whose step gives about 4 bits of entropy;
 tcq rows decode the grid rows' stream as weight_format "tcq" (the same words and

@@ -495,7 +495,7 @@ def distinct_tables(count, k=32, n=32, prob_bits=15):
     """count weights of distinct freqs: prob_bits 15's 256 KB slot tables, so that 80 overflow the 16 MB kept."""
     generator = torch.Generator().manual_seed(11)
     weights = []
-    for i in range(count):
+    for _ in range(count):
         codes = skewed_codes(k, n, 256, generator)
         weights.append((codes, encode(codes.numpy(), k, prob_bits, 256)))
     assert len({bytes(w[1][3].numpy()) for w in weights}) == count

@@ -1,4 +1,5 @@
-"""torch_marlin: 4-bit (FP4 E2M1, INT4, UINT4, NF4, affine) and entropy-coded weight-only quantized matmul for PyTorch."""
+"""torch_marlin: 4-bit (FP4 E2M1, INT4, UINT4, NF4, affine) and entropy-coded
+weight-only quantized matmul for PyTorch."""
 
 from . import ops  # noqa: F401  (loads the extension: torch.ops.marlin.*)
 from .ops import cpu_int8_activations
@@ -22,7 +23,7 @@ enable_transformers_integration()
 __all__ = [
     "CpuDecoder", "E2M1_VALUES", "GROUP_SIZES", "WEIGHT_FORMATS", "MarlinConfig", "MarlinExperts",
     "MarlinExpertsLinear", "MarlinLinear", "QuantizationReport", "QuantizedExperts", "QuantizedWeight",
-    "RansQuantizedWeight", "SparseQuantizedWeight", "cpu_int8_activations", "dequantize_reference", "enable_transformers_integration",
-    "from_pretrained", "fuse_projections", "pack_codes", "pack_fp4_weights", "quantize_experts", "quantize_model",
-    "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
+    "RansQuantizedWeight", "SparseQuantizedWeight", "cpu_int8_activations", "dequantize_reference",
+    "enable_transformers_integration", "from_pretrained", "fuse_projections", "pack_codes", "pack_fp4_weights",
+    "quantize_experts", "quantize_model", "quantize_weight", "quantized_linear", "register_quantizer", "unpack_codes",
 ]
