@@ -80,7 +80,7 @@ def main():
     p.add_argument("--rows", type=int, nargs="+", default=[32])
     p.add_argument("--weights", default="fp4,grid,tcq")
     p.add_argument("--size", type=int, default=4096, help="N = K")
-    p.add_argument("--spread", default=None, help="the grid's: a number, or gauss (bench_rans.py's grid)")
+    p.add_argument("--spread", default=None, help="the grid's: a number, gauss (bench_rans.py's grid) or t6 (Student's t)")
     p.add_argument("--against", metavar="REV", help="this tree's avx2 kernels against REV's, in one process")
     args = p.parse_args()
     extra = [args.spread] if args.spread else []

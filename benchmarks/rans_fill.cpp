@@ -6,7 +6,9 @@
 // the spec's reference encoder of tests/cpu_kernels/check_rans_kernels.cpp
 // (included, its main renamed): a 16-symbol stream peaked around the middle
 // (fp4 lossless-like) or a 256-symbol grid stream (tcq: the same stream
-// through the trellis): peaked, or `gauss`, bench_rans.py's Gaussian. Built and run by
+// through the trellis): peaked, or `gauss`, bench_rans.py's Gaussian, or `t6`, Student's t
+// (about 116 symbols at 4096 x 4096, 0.25% of the weights past the 30 most likely: a real
+// layer's heavier tails; the slot table on AVX2). Built and run by
 // benchmarks/bench_rans_fill.py; prints one JSON line per case.
 #define main check_rans_kernels_main
 #include "check_rans_kernels.cpp"
@@ -35,7 +37,7 @@ double cpu_seconds() {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: %s BUILD|avx2-vs-base fp4|grid|tcq M [N=K] [grid spread=12 | gauss]\n", argv[0]);
+    fprintf(stderr, "usage: %s BUILD|avx2-vs-base fp4|grid|tcq M [N=K] [grid spread=12 | gauss | t6]\n", argv[0]);
     return 2;
   }
   // avx2-vs-base: the avx2 kernels against the baseline ones linked in as avx2_base, alternated
@@ -51,6 +53,7 @@ int main(int argc, char** argv) {
   const double spread = argc > 5 ? atof(argv[5]) : 12;  // 12: 36 symbols; 9: 27
   // gauss: bench_rans.py's grid, a Gaussian on a step of 0.35 sigma (31 symbols, tails of frequency 1)
   const bool gauss = argc > 5 && std::string(argv[5]) == "gauss";
+  const bool t6 = argc > 5 && std::string(argv[5]) == "t6";
   const RansKernels* kern = rans_build(build);
   const std::string why = unsupported_reason(build);
   if (!kern || !why.empty()) {
@@ -64,7 +67,12 @@ int main(int argc, char** argv) {
   for (int& c : codes) {
     const double u = uniform() + uniform() + uniform() - 1.5;
     c = grid ? std::min(255, std::max(0, int(128 + u * spread))) : std::min(15, std::max(0, int(8 + u * 6)));
-    if (grid && gauss)  // (Box-Muller)
+    if (grid && t6) {  // Student's t with 6 degrees of freedom, times 3: a real layer's heavier tails
+      double z[7];
+      for (double& v : z) v = sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform());
+      const double chi = z[1] * z[1] + z[2] * z[2] + z[3] * z[3] + z[4] * z[4] + z[5] * z[5] + z[6] * z[6];
+      c = 128 + std::min(60, std::max(-60, int(lround(3 * z[0] / sqrt(chi / 6)))));
+    } else if (grid && gauss)  // (Box-Muller)
       c = 128 + std::min(127, std::max(-127, int(lround(sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform()) / 0.35))));
   }
   Streams st = encode(codes, k, n, chunk_k, prob_bits, symbols);
