@@ -64,16 +64,18 @@ int main(int argc, char** argv) {
   const int kind = kind_name == "tcq" ? kRansTcq : grid ? kRansGrid : int(marlin::kFp4);
   const int symbols = grid ? 256 : 16, prob_bits = 12;
   std::vector<int> codes(k * n);
+  auto normal = [] { return sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform()); };  // (Box-Muller)
   for (int& c : codes) {
     const double u = uniform() + uniform() + uniform() - 1.5;
     c = grid ? std::min(255, std::max(0, int(128 + u * spread))) : std::min(15, std::max(0, int(8 + u * 6)));
     if (grid && t6) {  // Student's t with 6 degrees of freedom, times 3: a real layer's heavier tails
       double z[7];
-      for (double& v : z) v = sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform());
+      for (double& v : z) v = normal();
       const double chi = z[1] * z[1] + z[2] * z[2] + z[3] * z[3] + z[4] * z[4] + z[5] * z[5] + z[6] * z[6];
       c = 128 + std::min(60, std::max(-60, int(lround(3 * z[0] / sqrt(chi / 6)))));
-    } else if (grid && gauss)  // (Box-Muller)
-      c = 128 + std::min(127, std::max(-127, int(lround(sqrt(-2 * log(1 - uniform())) * cos(6.283185307179586 * uniform()) / 0.35))));
+    } else if (grid && gauss) {
+      c = 128 + std::min(127, std::max(-127, int(lround(normal() / 0.35))));
+    }
   }
   Streams st = encode(codes, k, n, chunk_k, prob_bits, symbols);
   std::vector<uint32_t> table(rans_slot_table_size(prob_bits));
